@@ -1,0 +1,38 @@
+"""minillm: a small LLM inference engine, built one idea at a time.
+
+    model = minillm.load_model()          # SmolLM2-135M-Instruct from its GGUF, float32
+    tok = minillm.load_tokenizer()
+    ids = tok.apply_chat_template([{"role": "user", "content": "Hi!"}])
+"""
+from __future__ import annotations
+
+from pathlib import Path
+
+import torch
+
+from .config import ModelConfig
+from .model import Transformer, build_model
+from .sampling import SamplingParams
+from .tokenizer import Tokenizer
+from .weights import ModelNotFoundError, find_model, load_state
+
+__all__ = ["ModelConfig", "ModelNotFoundError", "SamplingParams", "Tokenizer", "Transformer",
+           "find_model", "load_model", "load_tokenizer"]
+
+
+def load_model(path: str | Path | None = None, dtype: torch.dtype = torch.float32,
+               device: str | torch.device | None = None, attn_fn=None) -> Transformer:
+    """Load a Llama-family model (GGUF file or Hugging Face folder; default: the course model)."""
+    cfg, state, _ = load_state(path, dtype)
+    kwargs = {"attn_fn": attn_fn} if attn_fn is not None else {}
+    model = build_model(cfg, state, **kwargs)
+    return model.to(device) if device is not None else model
+
+
+def load_tokenizer(path: str | Path | None = None) -> Tokenizer:
+    """The tokenizer stored in a GGUF file (default: the course model's)."""
+    path = find_model(path)
+    if path.is_dir():
+        raise ValueError(f"{path} is a Hugging Face folder; minillm reads tokenizers from GGUF files only. "
+                         "Use your model's tokenizer (e.g. transformers.AutoTokenizer) for its ids.")
+    return Tokenizer.from_gguf(path)

@@ -1,0 +1,190 @@
+"""`python -m minillm generate | chat | bench`.
+
+Bad input (unknown stage, missing model, invalid sampling values, a prompt longer
+than the context) ends the command with one line on stderr that says what to
+fix, and exit status 2; never a traceback.
+"""
+from __future__ import annotations
+
+import argparse
+import json
+import sys
+
+import torch
+
+
+class _Parser(argparse.ArgumentParser):
+    def error(self, message):  # one line, not usage + error
+        self.exit(2, f"{self.prog}: error: {message} (see --help)\n")
+
+
+def _fail(msg: str) -> None:
+    print(f"minillm: error: {msg}", file=sys.stderr)
+    raise SystemExit(2)
+
+
+def _add_model_args(p):
+    from .generate import STAGES
+
+    p.add_argument("--model", default=None, help="a .gguf file or Hugging Face folder (default: the course model)")
+    p.add_argument("--stage", default="naive", choices=list(STAGES), help="which engine stage generates")
+    p.add_argument("--threads", type=int, default=None, help="torch CPU threads (default: torch's choice)")
+    p.add_argument("--device", default=None, help="cpu or cuda (default: cuda when there is one)")
+
+
+def _add_sampling_args(p, max_tokens=128):
+    p.add_argument("--max-tokens", type=int, default=max_tokens)
+    p.add_argument("--temperature", type=float, default=0.0, help="0 = greedy (default)")
+    p.add_argument("--top-k", type=int, default=0)
+    p.add_argument("--top-p", type=float, default=1.0)
+    p.add_argument("--min-p", type=float, default=0.0)
+    p.add_argument("--stop", action="append", default=[], help="stop at this text (repeatable)")
+    p.add_argument("--seed", type=int, default=None)
+
+
+def build_parser() -> argparse.ArgumentParser:
+    parser = _Parser(prog="python -m minillm", description="minillm: a small LLM inference engine")
+    sub = parser.add_subparsers(dest="command", required=True, parser_class=_Parser)
+
+    g = sub.add_parser("generate", help="generate text from a prompt, streaming")
+    g.add_argument("prompt")
+    g.add_argument("--chat", action="store_true", help="wrap the prompt in the chat template as a user message")
+    g.add_argument("--json", action="store_true", help="print one JSON object instead of streaming text")
+    _add_model_args(g)
+    _add_sampling_args(g)
+
+    c = sub.add_parser("chat", help="chat in the terminal (/reset clears, /exit or Ctrl-D quits)")
+    c.add_argument("--system", default=None, help="a system message")
+    _add_model_args(c)
+    _add_sampling_args(c, max_tokens=256)
+
+    b = sub.add_parser("bench", help="prefill and decode speed of stages on a fixed prompt set")
+    b.add_argument("--stages", default="naive", help="comma-separated stages, measured alternately")
+    b.add_argument("--max-tokens", type=int, default=64)
+    b.add_argument("--prompt-file", default=None, help=".jsonl ({'prompt', 'chat'}) or .txt (one per line)")
+    b.add_argument("--repeats", type=int, default=1)
+    b.add_argument("--json", action="store_true", help="print only the JSON (default: JSON plus a table)")
+    b.add_argument("--model", default=None)
+    b.add_argument("--threads", type=int, default=None)
+    b.add_argument("--device", default=None)
+    return parser
+
+
+def _sampling(args):
+    from .sampling import SamplingParams
+
+    return SamplingParams(temperature=args.temperature, top_k=args.top_k, top_p=args.top_p, min_p=args.min_p,
+                          max_tokens=args.max_tokens, stop=tuple(args.stop), seed=args.seed)
+
+
+def _load(args):
+    from . import load_model, load_tokenizer
+
+    if args.threads is not None:
+        if args.threads < 1:
+            _fail(f"--threads must be >= 1; got {args.threads}")
+        torch.set_num_threads(args.threads)
+    device = args.device or ("cuda" if torch.cuda.is_available() else "cpu")
+    if device.startswith("cuda") and not torch.cuda.is_available():
+        _fail(f"--device {device} asked for, but this torch build sees no GPU; use --device cpu")
+    tok = load_tokenizer(args.model)
+    model = load_model(args.model, device=device)
+    return model, tok, device
+
+
+def cmd_generate(args) -> None:
+    from .generate import Generation, check_prompt, stream
+
+    params = _sampling(args)
+    model, tok, device = _load(args)
+    ids = tok.apply_chat_template([{"role": "user", "content": args.prompt}]) if args.chat else tok.encode(args.prompt)
+    check_prompt(ids, model.cfg.max_seq_len)
+    result = Generation(prompt_tokens=len(ids))
+    for piece in stream(model, tok, ids, params, args.stage, result=result):
+        if not args.json:
+            print(piece, end="", flush=True)
+    if args.json:
+        print(json.dumps({
+            "prompt_tokens": result.prompt_tokens, "token_ids": result.token_ids, "text": result.text,
+            "ttft_s": result.ttft_s, "decode_tokens_per_s": result.decode_tokens_per_s,
+            "prefill_tokens_per_s": result.prefill_tokens_per_s, "finish_reason": result.finish_reason,
+            "stage": result.stage, "device": device, "model": model.cfg.name,
+        }))
+    else:
+        print()
+        print(f"[{len(result.token_ids)} tokens, {result.finish_reason}; ttft {result.ttft_s * 1e3:.0f} ms, "
+              f"decode {result.decode_tokens_per_s:.1f} tok/s, stage {result.stage}, {device}]", file=sys.stderr)
+
+
+def cmd_chat(args) -> None:
+    from .generate import stream
+
+    params = _sampling(args)
+    model, tok, device = _load(args)
+    base = [{"role": "system", "content": args.system}] if args.system else []
+    messages = list(base)
+    print(f"minillm chat ({model.cfg.name}, stage {args.stage}, {device}). /reset clears, /exit quits.", file=sys.stderr)
+    while True:
+        try:
+            line = input("you> ")
+        except (EOFError, KeyboardInterrupt):
+            print(file=sys.stderr)
+            return
+        if line.strip() in ("/exit", "/quit"):
+            return
+        if line.strip() == "/reset":
+            messages = list(base)
+            continue
+        if not line.strip():
+            continue
+        messages.append({"role": "user", "content": line})
+        ids = tok.apply_chat_template(messages)
+        if len(ids) >= model.cfg.max_seq_len:
+            print(f"[the conversation is {len(ids)} tokens, over the context of {model.cfg.max_seq_len}: /reset]",
+                  file=sys.stderr)
+            messages.pop()
+            continue
+        print("bot> ", end="", flush=True)
+        reply = []
+        try:
+            for piece in stream(model, tok, ids, params, args.stage):
+                reply.append(piece)
+                print(piece, end="", flush=True)
+        except KeyboardInterrupt:
+            print(" [interrupted]", end="")
+        print()
+        messages.append({"role": "assistant", "content": "".join(reply)})
+
+
+def cmd_bench(args) -> None:
+    from .bench import load_prompts, run_bench
+    from .generate import STAGES
+
+    stages = [s.strip() for s in args.stages.split(",") if s.strip()]
+    unknown = [s for s in stages if s not in STAGES]
+    if not stages or unknown:
+        _fail(f"unknown stage(s) {unknown or args.stages!r}; choose from: {', '.join(STAGES)}")
+    if args.max_tokens < 2 or args.repeats < 1:
+        _fail("--max-tokens must be >= 2 and --repeats >= 1")
+    prompts = load_prompts(args.prompt_file)
+    args.stage = stages[0]
+    model, tok, _ = _load(args)
+    report = run_bench(model, tok, stages, prompts, max_tokens=args.max_tokens, repeats=args.repeats)
+    if not args.json:
+        print(f"{'stage':<10} {'prefill tok/s':>14} {'ttft ms':>9} {'decode tok/s':>13} {'ratio':>6}", file=sys.stderr)
+        for r in report["results"]:
+            print(f"{r['stage']:<10} {r['prefill_tokens_per_s']:>14.1f} {r['ttft_s'] * 1e3:>9.1f} "
+                  f"{r['decode_tokens_per_s']:>13.2f} {r['ratio_to_first']:>6.2f}", file=sys.stderr)
+    print(json.dumps(report, indent=None if args.json else 2))
+
+
+def main(argv=None) -> None:
+    from .weights import ModelNotFoundError
+
+    args = build_parser().parse_args(argv)
+    try:
+        {"generate": cmd_generate, "chat": cmd_chat, "bench": cmd_bench}[args.command](args)
+    except (ValueError, ModelNotFoundError) as e:
+        _fail(str(e))
+    except BrokenPipeError:
+        sys.stderr.close()

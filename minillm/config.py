@@ -1,0 +1,73 @@
+"""ModelConfig: the numbers that fix a Llama-family model's shape."""
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+
+@dataclass(frozen=True, slots=True)
+class ModelConfig:
+    n_layers: int = 30
+    d_model: int = 576          # hidden size
+    n_heads: int = 9            # query heads
+    n_kv_heads: int = 3         # key/value heads (GQA: n_heads // n_kv_heads queries share one)
+    head_dim: int = 64
+    ffn_dim: int = 1536         # SwiGLU inner size
+    vocab_size: int = 49152
+    rope_base: float = 100000.0
+    rms_eps: float = 1e-5
+    max_seq_len: int = 8192     # context length the model was trained for
+    tie_embeddings: bool = True
+    name: str = "SmolLM2-135M-Instruct"
+
+    def __post_init__(self):
+        if self.n_heads % self.n_kv_heads:
+            raise ValueError(f"n_heads ({self.n_heads}) must be a multiple of n_kv_heads ({self.n_kv_heads})")
+
+    @property
+    def group_size(self) -> int:
+        """How many query heads share one KV head (1 = MHA, n_heads = MQA)."""
+        return self.n_heads // self.n_kv_heads
+
+    @classmethod
+    def from_gguf_fields(cls, meta: dict, tie_embeddings: bool) -> "ModelConfig":
+        """Build a config from GGUF metadata (`llama.*` keys, already decoded to Python values).
+
+        GGUF has no flag for tied embeddings: a file without an `output.weight` tensor is tied."""
+        arch = meta["general.architecture"]
+        a = lambda key, default=None: meta.get(f"{arch}.{key}", default)  # noqa: E731
+        d_model = int(a("embedding_length"))
+        n_heads = int(a("attention.head_count"))
+        vocab = a("vocab_size") or len(meta["tokenizer.ggml.tokens"])
+        return cls(
+            n_layers=int(a("block_count")),
+            d_model=d_model,
+            n_heads=n_heads,
+            n_kv_heads=int(a("attention.head_count_kv", n_heads)),
+            head_dim=int(a("attention.key_length", d_model // n_heads)),
+            ffn_dim=int(a("feed_forward_length")),
+            vocab_size=int(vocab),
+            rope_base=float(a("rope.freq_base", 10000.0)),
+            rms_eps=float(a("attention.layer_norm_rms_epsilon", 1e-5)),
+            max_seq_len=int(a("context_length", 2048)),
+            tie_embeddings=tie_embeddings,
+            name=str(meta.get("general.name", "gguf model")),
+        )
+
+    @classmethod
+    def from_hf_config(cls, cfg: dict) -> "ModelConfig":
+        """Build a config from a Hugging Face `config.json` of a Llama-family model."""
+        n_heads = cfg["num_attention_heads"]
+        return cls(
+            n_layers=cfg["num_hidden_layers"],
+            d_model=cfg["hidden_size"],
+            n_heads=n_heads,
+            n_kv_heads=cfg.get("num_key_value_heads", n_heads),
+            head_dim=cfg.get("head_dim") or cfg["hidden_size"] // n_heads,
+            ffn_dim=cfg["intermediate_size"],
+            vocab_size=cfg["vocab_size"],
+            rope_base=float(cfg.get("rope_theta") or (cfg.get("rope_parameters") or {}).get("rope_theta", 10000.0)),
+            rms_eps=float(cfg.get("rms_norm_eps", 1e-6)),
+            max_seq_len=cfg.get("max_position_embeddings", 2048),
+            tie_embeddings=bool(cfg.get("tie_word_embeddings", False)),
+            name=cfg.get("_name_or_path") or cfg.get("model_type", "hf model"),
+        )

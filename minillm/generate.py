@@ -1,0 +1,141 @@
+"""The generation loop: prefill the prompt, then decode one token at a time.
+
+A *runner* is what changes between stages: it turns token ids into next-token
+logits. Stage 1's runner (`NaiveRunner`) keeps nothing between steps, so every
+new token re-runs the model over the whole sequence: step t costs a forward
+pass over t tokens. Later stages add runners to `STAGES` with the same two
+methods, and this loop stays as it is.
+"""
+from __future__ import annotations
+
+import time
+from dataclasses import dataclass, field
+from typing import Iterator
+
+import torch
+
+from .sampling import SamplingParams, make_generator, sample_next_token
+
+
+class NaiveRunner:
+    """Stage 1: no cache. Each call runs the model on every token so far."""
+
+    name = "naive"
+
+    def __init__(self, model):
+        self.model = model
+        self.ids: list[int] = []
+
+    @torch.inference_mode()
+    def prefill(self, ids: list[int]) -> torch.Tensor:
+        """Run the prompt; return the logits (vocab,) for the token after it."""
+        self.ids = list(ids)
+        return self._last_logits()
+
+    @torch.inference_mode()
+    def decode(self, token: int) -> torch.Tensor:
+        """Append one token; return the logits (vocab,) for the next one."""
+        self.ids.append(token)
+        return self._last_logits()
+
+    def _last_logits(self) -> torch.Tensor:
+        x = torch.tensor([self.ids], device=self.model.device)  # (1, T)
+        return self.model(x)[0, -1]                             # (vocab,): only the last row is used
+
+
+STAGES = {"naive": NaiveRunner}
+
+
+def make_runner(model, stage: str = "naive"):
+    if stage not in STAGES:
+        raise ValueError(f"unknown stage {stage!r}; choose one of: {', '.join(STAGES)}")
+    return STAGES[stage](model)
+
+
+@dataclass
+class Generation:
+    """What one generate() call produced, with its timings."""
+    prompt_tokens: int
+    token_ids: list[int] = field(default_factory=list)
+    text: str = ""
+    finish_reason: str = ""               # "stop" (end token or stop string) or "length"
+    ttft_s: float = 0.0                   # prompt in -> first new token out
+    token_times_s: list[float] = field(default_factory=list)  # time to produce each new token
+    stage: str = "naive"
+
+    @property
+    def decode_tokens_per_s(self) -> float:
+        """New tokens after the first, per second of decoding (0 if there was only one)."""
+        decode = self.token_times_s[1:]
+        return len(decode) / sum(decode) if decode and sum(decode) > 0 else 0.0
+
+    @property
+    def prefill_tokens_per_s(self) -> float:
+        return self.prompt_tokens / self.ttft_s if self.ttft_s > 0 else 0.0
+
+
+def check_prompt(prompt_ids: list[int], max_seq_len: int) -> None:
+    if not prompt_ids:
+        raise ValueError("the prompt is empty: give at least one token")
+    if len(prompt_ids) >= max_seq_len:
+        raise ValueError(f"the prompt has {len(prompt_ids)} tokens but the model's context is {max_seq_len}; "
+                         f"shorten it to at most {max_seq_len - 1} tokens")
+
+
+def stream(model, tokenizer, prompt_ids: list[int], params: SamplingParams | None = None,
+           stage: str = "naive", result: Generation | None = None) -> Iterator[str]:
+    """Generate, yielding text as it is decoded (never half a character, never part of a stop string).
+
+    Pass a `Generation` as `result` to receive the token ids and timings as they happen.
+    """
+    params = params or SamplingParams()
+    max_len = model.cfg.max_seq_len
+    check_prompt(prompt_ids, max_len)
+    runner = make_runner(model, stage)
+    gen = make_generator(params.seed)
+    out = result if result is not None else Generation(prompt_tokens=len(prompt_ids))
+    out.prompt_tokens, out.stage = len(prompt_ids), stage
+    decoder = tokenizer.stream_decoder()
+    stop_ids = tokenizer.stop_ids
+    hold = max((len(s) for s in params.stop), default=1) - 1  # chars kept back: could start a stop string
+    text, sent, cut = "", 0, -1
+
+    t0 = time.perf_counter()
+    logits = runner.prefill(prompt_ids)
+    for step in range(params.max_tokens):
+        token = int(sample_next_token(logits[None], params, gen)[0])
+        now = time.perf_counter()
+        out.token_times_s.append(now - t0)
+        if step == 0:
+            out.ttft_s = now - t0
+        t0 = now
+        if token in stop_ids:
+            out.finish_reason = "stop"
+            break
+        out.token_ids.append(token)
+        text += decoder.push(token)
+        cut = min((i for i in (text.find(s) for s in params.stop) if i >= 0), default=-1)
+        if cut >= 0:
+            text, out.finish_reason = text[:cut], "stop"
+            break
+        if len(text) - hold > sent:
+            yield text[sent:len(text) - hold]
+            sent = len(text) - hold
+        if step == params.max_tokens - 1 or len(prompt_ids) + len(out.token_ids) >= max_len:
+            out.finish_reason = "length"
+            break
+        logits = runner.decode(token)
+    if out.finish_reason != "stop" or cut < 0:
+        text += decoder.flush()
+    out.text = text
+    if len(text) > sent:
+        yield text[sent:]
+
+
+def generate(model, tokenizer, prompt_ids: list[int], params: SamplingParams | None = None,
+             stage: str = "naive") -> Generation:
+    """Generate to the end and return the ids, text and timings."""
+    out = Generation(prompt_tokens=len(prompt_ids))
+    for _ in stream(model, tokenizer, prompt_ids, params, stage, result=out):
+        pass
+    return out
