@@ -16,7 +16,7 @@ import statistics
 from pathlib import Path
 
 import torch
-from tqdm.auto import tqdm
+from tqdm import tqdm
 
 from .generate import generate
 from .sampling import SamplingParams
