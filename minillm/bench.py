@@ -13,12 +13,14 @@ import json
 import os
 import platform
 import statistics
+import time
 from pathlib import Path
 
 import torch
 from tqdm import tqdm
 
-from .generate import generate
+from .generate import Generation, generate
+from .roofline import measure_copy_bandwidth, weight_bytes
 from .sampling import SamplingParams
 
 DEFAULT_PROMPTS = Path(__file__).resolve().parent.parent / "data" / "prompts.jsonl"
@@ -59,23 +61,73 @@ def prompt_ids(tokenizer, p: dict) -> list[int]:
     return tokenizer.encode(p["prompt"])
 
 
+def load_transformers_peer(model_path=None):
+    """Hugging Face transformers reading the same GGUF, float32: the engine most people would try first."""
+    try:
+        import transformers
+    except ImportError:
+        raise ValueError("--peer transformers needs transformers and accelerate: "
+                         "pip install transformers accelerate") from None
+    from .weights import find_model
+
+    path = find_model(model_path)
+    kwargs = {} if path.is_dir() else {"gguf_file": path.name}
+    folder = path if path.is_dir() else path.parent
+    m = transformers.AutoModelForCausalLM.from_pretrained(folder, dtype=torch.float32, **kwargs)
+    return m.eval().requires_grad_(False)
+
+
+def peer_generate(hf_model, ids: list[int], max_tokens: int, stop_ids) -> Generation:
+    """Greedy `generate()` with the KV cache on, timed token by token through a streamer."""
+    from transformers.generation.streamers import BaseStreamer
+
+    class Clock(BaseStreamer):
+        def __init__(self):
+            self.times = []
+
+        def put(self, value):  # first call: the prompt; then one call per new token
+            self.times.append(time.perf_counter())
+
+        def end(self):
+            pass
+
+    clock = Clock()
+    t0 = time.perf_counter()
+    out = hf_model.generate(torch.tensor([ids]), max_new_tokens=max_tokens, do_sample=False, use_cache=True,
+                            eos_token_id=sorted(stop_ids), pad_token_id=min(stop_ids), streamer=clock)
+    new = out[0, len(ids):].tolist()
+    stamps = [t0] + clock.times[1:]
+    g = Generation(prompt_tokens=len(ids), stage="transformers")
+    g.token_ids = [t for t in new if t not in stop_ids]
+    g.token_times_s = [b - a for a, b in zip(stamps, stamps[1:])]
+    g.ttft_s = g.token_times_s[0] if g.token_times_s else 0.0
+    return g
+
+
 def run_bench(model, tokenizer, stages: list[str], prompts: list[dict], max_tokens: int = 64,
-              repeats: int = 1, warmup: bool = True) -> dict:
+              repeats: int = 1, warmup: bool = True, peer=None) -> dict:
+    """Each stage (and the peer, if given) on every prompt, taking turns; medians per stage."""
     params = SamplingParams(max_tokens=max_tokens)
     encoded = [prompt_ids(tokenizer, p) for p in prompts]
+    names = stages + (["transformers"] if peer is not None else [])
+
+    def run(name, ids, n):
+        if name == "transformers":
+            return peer_generate(peer, ids, n, tokenizer.stop_ids)
+        return generate(model, tokenizer, ids, SamplingParams(max_tokens=n), name)
+
     if warmup:  # first calls pay for allocations and lazy init; keep them out of the numbers
-        for stage in stages:
-            generate(model, tokenizer, encoded[0], SamplingParams(max_tokens=4), stage)
-    runs = {s: [] for s in stages}
-    jobs = [(r, i, s) for r in range(repeats) for i in range(len(encoded)) for s in stages]
-    for r, i, stage in tqdm(jobs, desc="bench", disable=None):
-        g = generate(model, tokenizer, encoded[i], params, stage)
-        runs[stage].append(g)
+        for name in names:
+            run(name, encoded[0], 4)
+    runs = {s: [] for s in names}
+    jobs = [(i, s) for _ in range(repeats) for i in range(len(encoded)) for s in names]
+    for i, name in tqdm(jobs, desc="bench", disable=None):
+        runs[name].append(run(name, encoded[i], params.max_tokens))
     results = []
-    for stage in stages:
-        gs = runs[stage]
+    for name in names:
+        gs = runs[name]
         results.append({
-            "stage": stage,
+            "stage": name,
             "prefill_tokens_per_s": statistics.median(g.prefill_tokens_per_s for g in gs),
             "ttft_s": statistics.median(g.ttft_s for g in gs),
             "decode_tokens_per_s": statistics.median(g.decode_tokens_per_s for g in gs),
@@ -86,7 +138,17 @@ def run_bench(model, tokenizer, stages: list[str], prompts: list[dict], max_toke
     first = results[0]["decode_tokens_per_s"]
     for r in results:
         r["ratio_to_first"] = r["decode_tokens_per_s"] / first if first else None
+    if peer is not None:  # same greedy tokens? (a check on the comparison, not a test)
+        for name in stages:
+            r = next(r for r in results if r["stage"] == name)
+            r["same_tokens_as_transformers"] = all(
+                a.token_ids == b.token_ids for a, b in zip(runs[name], runs["transformers"]))
+    copy_bw = measure_copy_bandwidth()
+    wbytes = weight_bytes(model)
     info = machine_info()
     return {"machine": info["cpu"], "gpu": info["gpu"], "torch": info["torch"], "threads": info["threads"],
-            "max_tokens": max_tokens, "repeats": repeats, "prompts": [p.get("name", p["prompt"][:30]) for p in prompts],
+            "cores": info["cores"], "max_tokens": max_tokens, "repeats": repeats,
+            "prompts": [p.get("name", p["prompt"][:30]) for p in prompts],
+            "weight_bytes": wbytes, "copy_bytes_per_s": copy_bw,
+            "bandwidth_floor_tokens_per_s": copy_bw / wbytes,
             "results": results}

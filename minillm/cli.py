@@ -63,6 +63,8 @@ def build_parser() -> argparse.ArgumentParser:
     b.add_argument("--max-tokens", type=int, default=64)
     b.add_argument("--prompt-file", default=None, help=".jsonl ({'prompt', 'chat'}) or .txt (one per line)")
     b.add_argument("--repeats", type=int, default=1)
+    b.add_argument("--peer", choices=["transformers"], default=None,
+                   help="also measure Hugging Face transformers on the same GGUF, in the same run")
     b.add_argument("--json", action="store_true", help="print only the JSON (default: JSON plus a table)")
     b.add_argument("--model", default=None)
     b.add_argument("--threads", type=int, default=None)
@@ -157,7 +159,7 @@ def cmd_chat(args) -> None:
 
 
 def cmd_bench(args) -> None:
-    from .bench import load_prompts, run_bench
+    from .bench import load_prompts, load_transformers_peer, run_bench
     from .generate import STAGES
 
     stages = [s.strip() for s in args.stages.split(",") if s.strip()]
@@ -169,12 +171,16 @@ def cmd_bench(args) -> None:
     prompts = load_prompts(args.prompt_file)
     args.stage = stages[0]
     model, tok, _ = _load(args)
-    report = run_bench(model, tok, stages, prompts, max_tokens=args.max_tokens, repeats=args.repeats)
+    peer = load_transformers_peer(args.model) if args.peer == "transformers" else None
+    report = run_bench(model, tok, stages, prompts, max_tokens=args.max_tokens, repeats=args.repeats, peer=peer)
     if not args.json:
-        print(f"{'stage':<10} {'prefill tok/s':>14} {'ttft ms':>9} {'decode tok/s':>13} {'ratio':>6}", file=sys.stderr)
+        print(f"{'stage':<12} {'prefill tok/s':>12} {'ttft ms':>9} {'decode tok/s':>13} {'ratio':>6}", file=sys.stderr)
         for r in report["results"]:
-            print(f"{r['stage']:<10} {r['prefill_tokens_per_s']:>14.1f} {r['ttft_s'] * 1e3:>9.1f} "
+            print(f"{r['stage']:<12} {r['prefill_tokens_per_s']:>12.1f} {r['ttft_s'] * 1e3:>9.1f} "
                   f"{r['decode_tokens_per_s']:>13.2f} {r['ratio_to_first']:>6.2f}", file=sys.stderr)
+        print(f"bandwidth floor: {report['bandwidth_floor_tokens_per_s']:.1f} tok/s "
+              f"({report['weight_bytes'] / 1e6:.0f} MB of weights at {report['copy_bytes_per_s'] / 1e9:.1f} GB/s copy)",
+              file=sys.stderr)
     print(json.dumps(report, indent=None if args.json else 2))
 
 

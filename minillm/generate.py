@@ -1,10 +1,8 @@
 """The generation loop: prefill the prompt, then decode one token at a time.
 
-A *runner* is what changes between stages: it turns token ids into next-token
-logits. Stage 1's runner (`NaiveRunner`) keeps nothing between steps, so every
-new token re-runs the model over the whole sequence: step t costs a forward
-pass over t tokens. Later stages add runners to `STAGES` with the same two
-methods, and this loop stays as it is.
+A *runner* (`runners.py`) is what changes between stages: it turns token ids into
+next-token logits. Stage 1's runner keeps nothing between steps, so step t costs a
+forward pass over t tokens; stage 2's keeps a KV cache. This loop is the same for all.
 """
 from __future__ import annotations
 
@@ -14,42 +12,8 @@ from typing import Iterator
 
 import torch
 
+from .runners import STAGES, NaiveRunner, make_runner  # noqa: F401  (re-exported)
 from .sampling import SamplingParams, make_generator, sample_next_token
-
-
-class NaiveRunner:
-    """Stage 1: no cache. Each call runs the model on every token so far."""
-
-    name = "naive"
-
-    def __init__(self, model):
-        self.model = model
-        self.ids: list[int] = []
-
-    @torch.inference_mode()
-    def prefill(self, ids: list[int]) -> torch.Tensor:
-        """Run the prompt; return the logits (vocab,) for the token after it."""
-        self.ids = list(ids)
-        return self._last_logits()
-
-    @torch.inference_mode()
-    def decode(self, token: int) -> torch.Tensor:
-        """Append one token; return the logits (vocab,) for the next one."""
-        self.ids.append(token)
-        return self._last_logits()
-
-    def _last_logits(self) -> torch.Tensor:
-        x = torch.tensor([self.ids], device=self.model.device)  # (1, T)
-        return self.model(x)[0, -1]                             # (vocab,): only the last row is used
-
-
-STAGES = {"naive": NaiveRunner}
-
-
-def make_runner(model, stage: str = "naive"):
-    if stage not in STAGES:
-        raise ValueError(f"unknown stage {stage!r}; choose one of: {', '.join(STAGES)}")
-    return STAGES[stage](model)
 
 
 @dataclass
@@ -91,12 +55,12 @@ def stream(model, tokenizer, prompt_ids: list[int], params: SamplingParams | Non
     params = params or SamplingParams()
     max_len = model.cfg.max_seq_len
     check_prompt(prompt_ids, max_len)
-    runner = make_runner(model, stage)
+    runner = make_runner(model, stage, max_len=min(len(prompt_ids) + params.max_tokens, max_len))
     gen = make_generator(params.seed)
     out = result if result is not None else Generation(prompt_tokens=len(prompt_ids))
     out.prompt_tokens, out.stage = len(prompt_ids), stage
     decoder = tokenizer.stream_decoder()
-    stop_ids = tokenizer.stop_ids
+    stop_ids = set() if params.ignore_eos else tokenizer.stop_ids
     hold = max((len(s) for s in params.stop), default=1) - 1  # chars kept back: could start a stop string
     text, sent, cut = "", 0, -1
 
@@ -139,3 +103,44 @@ def generate(model, tokenizer, prompt_ids: list[int], params: SamplingParams | N
     for _ in stream(model, tokenizer, prompt_ids, params, stage, result=out):
         pass
     return out
+
+
+def generate_batch(model, tokenizer, prompts: list[list[int]], params: SamplingParams | None = None,
+                   stage: str = "kv") -> list[Generation]:
+    """Generate for several prompts at once (static batching: the batch runs until every
+    sequence is done). Each result is what the prompt would give alone."""
+    params = params or SamplingParams()
+    max_len = model.cfg.max_seq_len
+    for p in prompts:
+        check_prompt(p, max_len)
+    runner = make_runner(model, stage, max_len=min(max(map(len, prompts)) + params.max_tokens, max_len))
+    gen = make_generator(params.seed)
+    outs = [Generation(prompt_tokens=len(p), stage=stage) for p in prompts]
+    stop_ids = set() if params.ignore_eos else tokenizer.stop_ids
+    t0 = time.perf_counter()
+    logits = runner.prefill_batch(prompts)                                    # (B, vocab)
+    for step in range(params.max_tokens):
+        tokens = sample_next_token(logits, params, gen).tolist()              # (B,)
+        now = time.perf_counter()
+        for out, p, token in zip(outs, prompts, tokens):
+            if out.finish_reason:
+                continue
+            out.token_times_s.append(now - t0)
+            if step == 0:
+                out.ttft_s = now - t0
+            if token in stop_ids:
+                out.finish_reason = "stop"
+            else:
+                out.token_ids.append(token)
+                if len(out.token_ids) == params.max_tokens or len(p) + len(out.token_ids) >= max_len:
+                    out.finish_reason = "length"
+        t0 = now
+        if all(o.finish_reason for o in outs):
+            break
+        logits = runner.decode_batch(tokens)
+    for out in outs:
+        out.text = tokenizer.decode(out.token_ids)
+        cut = min((i for i in (out.text.find(s) for s in params.stop) if i >= 0), default=-1)
+        if cut >= 0:
+            out.text, out.finish_reason = out.text[:cut], "stop"
+    return outs

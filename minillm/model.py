@@ -3,8 +3,13 @@
     ids -> tok_emb -> n_layers x [x + Attn(RMSNorm(x)); x + SwiGLU(RMSNorm(x))] -> RMSNorm -> lm_head -> logits
 
 The attention function is passed in (`attn_fn`), so later stages plug in their
-own (a KV cache, a Triton kernel) without copying the model. With `cache=None`
-the model sees the whole sequence every call: that is stage 1, the naive engine.
+own without copying the model, and so is the KV storage (`cache`). With
+`cache=None` the model sees the whole sequence every call: stage 1, the naive engine.
+
+Two projections are fused, as most engines do: Q, K and V come from one matrix
+(`wqkv`), the SwiGLU gate and up from another (`w_gate_up`). The math is the same
+as three (two) separate matrices; a decode step makes 4 matrix-vector products
+per layer instead of 7, and each one costs a fixed overhead on top of its bytes.
 """
 from __future__ import annotations
 
@@ -17,31 +22,31 @@ from .config import ModelConfig
 
 
 class RMSNorm(nn.Module):
+    """x / sqrt(mean(x^2) + eps) * weight, over the last dimension."""
+
     def __init__(self, dim: int, eps: float):
         super().__init__()
         self.eps = eps
         self.weight = nn.Parameter(torch.ones(dim))
 
     def forward(self, x):
-        x32 = x.float()
-        x32 = x32 * torch.rsqrt(x32.pow(2).mean(-1, keepdim=True) + self.eps)
-        return self.weight * x32.to(x.dtype)
+        return F.rms_norm(x, self.weight.shape, self.weight, self.eps)
 
 
 def rope_tables(head_dim: int, positions: torch.Tensor, base: float) -> tuple[torch.Tensor, torch.Tensor]:
-    """cos, sin of shape (T, head_dim) for the given positions (T,).
+    """cos, sin of shape (..., head_dim) for positions of shape (...), e.g. (T,) or (B, T).
 
     Frequency i (of head_dim/2) turns by positions * base^(-2i/head_dim); each
     frequency is used twice, for the pair (x_i, x_{i + head_dim/2}).
     """
     inv_freq = 1.0 / base ** (torch.arange(0, head_dim, 2, dtype=torch.float32) / head_dim)  # (hd/2,)
-    angles = positions.float()[:, None] * inv_freq[None, :]                             # (T, hd/2)
-    angles = torch.cat([angles, angles], dim=-1)                                        # (T, hd)
+    angles = positions.float()[..., None] * inv_freq.to(positions.device)                   # (..., hd/2)
+    angles = torch.cat([angles, angles], dim=-1)                                            # (..., hd)
     return angles.cos(), angles.sin()
 
 
 def apply_rope(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
-    """Rotate-half RoPE. x: (B, heads, T, hd); cos, sin: (T, hd)."""
+    """Rotate-half RoPE. x: (B, heads, T, hd); cos, sin: (T, hd) or (B, 1, T, hd)."""
     x1, x2 = x.chunk(2, dim=-1)                  # (B, heads, T, hd/2) each
     rotated = torch.cat([-x2, x1], dim=-1)       # (B, heads, T, hd)
     return (x * cos + rotated * sin).to(x.dtype)
@@ -51,34 +56,32 @@ class Attention(nn.Module):
     def __init__(self, cfg: ModelConfig):
         super().__init__()
         self.n_heads, self.n_kv, self.hd = cfg.n_heads, cfg.n_kv_heads, cfg.head_dim
-        self.wq = nn.Linear(cfg.d_model, cfg.n_heads * cfg.head_dim, bias=False)
-        self.wk = nn.Linear(cfg.d_model, cfg.n_kv_heads * cfg.head_dim, bias=False)
-        self.wv = nn.Linear(cfg.d_model, cfg.n_kv_heads * cfg.head_dim, bias=False)
+        self.wqkv = nn.Linear(cfg.d_model, (cfg.n_heads + 2 * cfg.n_kv_heads) * cfg.head_dim, bias=False)
         self.wo = nn.Linear(cfg.n_heads * cfg.head_dim, cfg.d_model, bias=False)
 
-    def forward(self, x, cos, sin, attn_fn, cache=None, layer: int = 0):
+    def forward(self, x, cos, sin, attn_fn, mask=None, cache=None, layer: int = 0):
         B, T, _ = x.shape
-        q = self.wq(x).view(B, T, self.n_heads, self.hd).transpose(1, 2)  # (B, H, T, hd)
-        k = self.wk(x).view(B, T, self.n_kv, self.hd).transpose(1, 2)     # (B, n_kv, T, hd)
-        v = self.wv(x).view(B, T, self.n_kv, self.hd).transpose(1, 2)     # (B, n_kv, T, hd)
-        q, k = apply_rope(q, cos, sin), apply_rope(k, cos, sin)
+        H, n_kv, hd = self.n_heads, self.n_kv, self.hd
+        qkv = self.wqkv(x).view(B, T, H + 2 * n_kv, hd).transpose(1, 2)   # (B, H + 2 n_kv, T, hd)
+        qk = apply_rope(qkv[:, :H + n_kv], cos, sin)                        # rotate q and k together
+        q, k, v = qk[:, :H], qk[:, H:], qkv[:, H + n_kv:]                   # (B, H | n_kv | n_kv, T, hd)
         if cache is not None:  # stage 2+: store this step's K/V, attend over everything cached
             k, v = cache.update(layer, k, v)                                # (B, n_kv, S, hd)
-        out = attn_fn(q, k, v)                                              # (B, H, T, hd)
-        return self.wo(out.transpose(1, 2).reshape(B, T, self.n_heads * self.hd))
+        out = attn_fn(q, k, v, mask)                                        # (B, H, T, hd)
+        return self.wo(out.transpose(1, 2).reshape(B, T, H * hd))
 
 
 class MLP(nn.Module):
-    """SwiGLU: down(silu(gate(x)) * up(x))."""
+    """SwiGLU: down(silu(gate(x)) * up(x)), with gate and up in one matrix."""
 
     def __init__(self, cfg: ModelConfig):
         super().__init__()
-        self.w_gate = nn.Linear(cfg.d_model, cfg.ffn_dim, bias=False)
-        self.w_up = nn.Linear(cfg.d_model, cfg.ffn_dim, bias=False)
+        self.w_gate_up = nn.Linear(cfg.d_model, 2 * cfg.ffn_dim, bias=False)
         self.w_down = nn.Linear(cfg.ffn_dim, cfg.d_model, bias=False)
 
     def forward(self, x):
-        return self.w_down(F.silu(self.w_gate(x)) * self.w_up(x))
+        gate, up = self.w_gate_up(x).chunk(2, dim=-1)  # (B, T, ffn) each
+        return self.w_down(F.silu(gate) * up)
 
 
 class Block(nn.Module):
@@ -89,8 +92,8 @@ class Block(nn.Module):
         self.attn = Attention(cfg)
         self.mlp = MLP(cfg)
 
-    def forward(self, x, cos, sin, attn_fn, cache=None, layer=0):
-        x = x + self.attn(self.attn_norm(x), cos, sin, attn_fn, cache, layer)
+    def forward(self, x, cos, sin, attn_fn, mask=None, cache=None, layer=0):
+        x = x + self.attn(self.attn_norm(x), cos, sin, attn_fn, mask, cache, layer)
         return x + self.mlp(self.ffn_norm(x))
 
 
@@ -113,27 +116,46 @@ class Transformer(nn.Module):
     def dtype(self) -> torch.dtype:
         return self.tok_emb.weight.dtype
 
-    def forward(self, ids: torch.Tensor, start_pos: int = 0, cache=None, attn_fn=None) -> torch.Tensor:
-        """ids: (B, T) token ids at positions start_pos .. start_pos+T-1 -> logits (B, T, vocab)."""
+    def forward(self, ids: torch.Tensor, positions: torch.Tensor | None = None, cache=None,
+                mask: torch.Tensor | None = None, attn_fn=None) -> torch.Tensor:
+        """ids: (B, T) -> logits (B, T, vocab).
+
+        positions: (T,) or (B, T) absolute positions, for RoPE (default 0 .. T-1).
+        cache: a KV cache (stage 2+) that stores this call's keys/values and returns all of them.
+        mask: (B, 1, T, S) bool, True where a query may attend a key (default: causal).
+        """
         attn_fn = attn_fn or self.attn_fn
         B, T = ids.shape
-        positions = torch.arange(start_pos, start_pos + T, device=ids.device)
-        cos, sin = rope_tables(self.cfg.head_dim, positions, self.cfg.rope_base)      # (T, hd)
-        cos, sin = cos.to(ids.device), sin.to(ids.device)
-        x = self.tok_emb(ids)                                                          # (B, T, d)
+        if positions is None:
+            positions = torch.arange(T, device=ids.device)
+        cos, sin = rope_tables(self.cfg.head_dim, positions, self.cfg.rope_base)  # (T, hd) or (B, T, hd)
+        if cos.dim() == 3:
+            cos, sin = cos[:, None], sin[:, None]                                 # (B, 1, T, hd)
+        x = self.tok_emb(ids)                                                      # (B, T, d)
         for i, block in enumerate(self.layers):
-            x = block(x, cos, sin, attn_fn, cache, i)
+            x = block(x, cos, sin, attn_fn, mask, cache, i)
         x = self.norm(x)
         w_out = self.tok_emb.weight if self.cfg.tie_embeddings else self.lm_head.weight
-        return F.linear(x, w_out).float()                                             # (B, T, vocab)
+        return F.linear(x, w_out).float()                                         # (B, T, vocab)
 
     def num_parameters(self) -> int:
         return sum(p.numel() for p in self.parameters())
 
 
+def fuse_projections(state: dict[str, torch.Tensor], n_layers: int) -> dict[str, torch.Tensor]:
+    """Separate wq/wk/wv and w_gate/w_up (as files store them) -> fused wqkv and w_gate_up."""
+    state = dict(state)
+    for i in range(n_layers):
+        a, m = f"layers.{i}.attn.", f"layers.{i}.mlp."
+        state[a + "wqkv.weight"] = torch.cat([state.pop(a + f"{w}.weight") for w in ("wq", "wk", "wv")])
+        state[m + "w_gate_up.weight"] = torch.cat([state.pop(m + f"{w}.weight") for w in ("w_gate", "w_up")])
+    return state
+
+
 def build_model(cfg: ModelConfig, state: dict[str, torch.Tensor], attn_fn=naive_attention) -> Transformer:
-    """A Transformer with `state` loaded (strict: every weight present, none left over)."""
+    """A Transformer with `state` (file names: wq, wk, wv, w_gate, w_up) loaded; strict:
+    every weight present, none left over."""
     with torch.device("meta"):
         model = Transformer(cfg, attn_fn)
-    model.load_state_dict(state, strict=True, assign=True)
+    model.load_state_dict(fuse_projections(state, cfg.n_layers), strict=True, assign=True)
     return model.eval().requires_grad_(False)

@@ -21,6 +21,7 @@ class SamplingParams:
     max_tokens: int = 128        # new tokens at most
     stop: tuple[str, ...] = field(default_factory=tuple)  # stop when the text contains one of these
     seed: int | None = None      # same seed, same samples
+    ignore_eos: bool = False     # keep going past end-of-text tokens (benchmarks: fixed-length outputs)
 
     def __post_init__(self):
         if isinstance(self.stop, str):

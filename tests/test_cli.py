@@ -20,11 +20,12 @@ def test_generate_json_answers_paris():
     assert out["prompt_tokens"] > 10 and out["ttft_s"] > 0
 
 
-def test_generate_streams_text():
-    r = run("generate", "1, 2, 3, 4,", "--max-tokens", "6", "--stop", " 7")
+@pytest.mark.parametrize("stage", ["naive", "kv"])
+def test_generate_streams_text(stage):
+    r = run("generate", "1, 2, 3, 4,", "--max-tokens", "6", "--stop", " 7", "--stage", stage)
     assert r.returncode == 0, r.stderr
     assert r.stdout.startswith(" 5, 6,") and " 7" not in r.stdout
-    assert "tok/s" in r.stderr
+    assert f"stage {stage}" in r.stderr and "tok/s" in r.stderr
 
 
 @pytest.mark.parametrize("args, message", [
@@ -55,10 +56,22 @@ def test_chat_answers_and_exits_on_eof():
 def test_bench_prints_json_with_machine_and_rates(tmp_path):
     prompts = tmp_path / "p.txt"
     prompts.write_text("Hello there\nThe sky is\n")
-    r = run("bench", "--max-tokens", "4", "--prompt-file", str(prompts), "--json")
+    r = run("bench", "--stages", "naive,kv", "--max-tokens", "4", "--prompt-file", str(prompts), "--json")
     assert r.returncode == 0, r.stderr
     report = json.loads(r.stdout)
-    assert report["torch"] and report["machine"]
-    (res,) = report["results"]
-    assert res["stage"] == "naive" and res["ratio_to_first"] == 1.0
-    assert res["decode_tokens_per_s"] > 0 and res["prefill_tokens_per_s"] > 0 and res["ttft_s"] > 0
+    assert report["torch"] and report["machine"] and report["bandwidth_floor_tokens_per_s"] > 0
+    naive, kv = report["results"]
+    assert naive["stage"] == "naive" and naive["ratio_to_first"] == 1.0 and kv["stage"] == "kv"
+    for res in (naive, kv):
+        assert res["decode_tokens_per_s"] > 0 and res["prefill_tokens_per_s"] > 0 and res["ttft_s"] > 0
+
+
+def test_bench_with_transformers_peer(tmp_path):
+    prompts = tmp_path / "p.txt"
+    prompts.write_text("The capital of France is\n")
+    r = run("bench", "--stages", "kv", "--peer", "transformers", "--max-tokens", "4",
+            "--prompt-file", str(prompts), "--json")
+    assert r.returncode == 0, r.stderr
+    kv, peer = json.loads(r.stdout)["results"]
+    assert peer["stage"] == "transformers" and peer["decode_tokens_per_s"] > 0
+    assert kv["same_tokens_as_transformers"] is True

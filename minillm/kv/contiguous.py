@@ -1,0 +1,79 @@
+"""Stage 2: the contiguous KV cache.
+
+Without a cache, decode step t recomputes the keys and values of all t earlier
+tokens, in every layer, although they never change (a token's K and V depend
+only on it and the tokens before it). The cache keeps them:
+
+    K, V: (n_layers, batch, n_kv_heads, max_len, head_dim)   preallocated, per sequence
+
+Prefill writes the prompt's K/V into slots 0 .. P-1; each decode step writes one
+new slot and attends over all slots so far. Slot s holds position s, so a query
+at position p may attend slots 0 .. p (`mask_from_positions`), which also hides
+a shorter sequence's unused slots in a batch.
+
+Size: tokens x layers x kv_heads x head_dim x 2 (K and V) x bytes per value.
+"""
+from __future__ import annotations
+
+import torch
+
+from ..attention import mask_from_positions
+from ..config import ModelConfig
+
+
+def kv_cache_bytes(cfg: ModelConfig, num_tokens: int, dtype: torch.dtype = torch.float32) -> int:
+    """Bytes of K and V for `num_tokens` tokens: tokens x layers x kv_heads x head_dim x 2 x bytes."""
+    bytes_per_value = torch.empty(0, dtype=dtype).element_size()
+    return num_tokens * cfg.n_layers * cfg.n_kv_heads * cfg.head_dim * 2 * bytes_per_value
+
+
+class KVCache:
+    """K/V for a batch of sequences, each up to `max_len` tokens, preallocated."""
+
+    def __init__(self, cfg: ModelConfig, batch: int, max_len: int,
+                 dtype: torch.dtype = torch.float32, device: str | torch.device = "cpu"):
+        shape = (cfg.n_layers, batch, cfg.n_kv_heads, max_len, cfg.head_dim)
+        self.k = torch.zeros(shape, dtype=dtype, device=device)
+        self.v = torch.zeros(shape, dtype=dtype, device=device)
+        self.max_len = max_len
+        self.lengths = [0] * batch   # tokens stored per sequence
+        self._starts: list[int] = []  # where this step writes, per sequence
+        self._T = 0
+
+    @property
+    def nbytes(self) -> int:
+        return self.k.nbytes + self.v.nbytes
+
+    def begin(self, T: int) -> tuple[torch.Tensor, torch.Tensor]:
+        """Prepare a step of T new tokens per sequence, written after what each already has.
+
+        Returns positions (B, T) for RoPE and the attention mask (B, 1, T, S), or None
+        when every sequence holds the same number of tokens (then plain causal masking is right)."""
+        self._starts, self._T = list(self.lengths), T
+        self._uniform = len(set(self._starts)) == 1
+        end = max(self._starts) + T
+        if end > self.max_len:
+            raise ValueError(f"KV cache full: {end} tokens needed, {self.max_len} allocated")
+        starts = torch.tensor(self._starts, device=self.k.device)
+        positions = starts[:, None] + torch.arange(T, device=self.k.device)  # (B, T)
+        return positions, None if self._uniform else mask_from_positions(positions, end)
+
+    def update(self, layer: int, k: torch.Tensor, v: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        """Store k, v (B, n_kv, T, hd) for `layer`; return all cached K, V (B, n_kv, S, hd)."""
+        T = self._T
+        if self._uniform:  # everyone writes the same slots: one copy
+            s = self._starts[0]
+            self.k[layer, :, :, s:s + T] = k
+            self.v[layer, :, :, s:s + T] = v
+        else:
+            for b, s in enumerate(self._starts):
+                self.k[layer, b, :, s:s + T] = k[b]
+                self.v[layer, b, :, s:s + T] = v[b]
+        end = max(self._starts) + T
+        return self.k[layer, :, :, :end], self.v[layer, :, :, :end]
+
+    def commit(self, new_tokens: list[int] | None = None) -> None:
+        """After the forward pass: each sequence now holds `new_tokens[b]` more tokens
+        (default: all T; a right-padded prefill keeps only each prompt's real length)."""
+        new_tokens = new_tokens or [self._T] * len(self.lengths)
+        self.lengths = [n + m for n, m in zip(self.lengths, new_tokens)]
