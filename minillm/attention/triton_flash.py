@@ -1,0 +1,260 @@
+"""Stage 3: FlashAttention in Triton — exact attention without the score matrix.
+
+Two kernels, with the conventions of the flash-attn package so the two can be compared:
+
+    flash_attn_varlen(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k, causal=True)
+        prefill: sequences packed one after another, q (total_q, H, D), k and v (total_k, H_kv, D);
+        a sequence's keys may be longer than its queries (a cached prefix), causal alignment bottom-right.
+    decode_attention(q, k_cache, v_cache, cache_seqlens)
+        one query per sequence, q (B, H, D), against a contiguous cache (B, max_len, H_kv, D), split along
+        the keys (flash-decoding) so a long context keeps many programs busy, then a small reduction kernel.
+
+The idea (see tiled.py for the same math in plain PyTorch): walk over the keys in tiles of BLOCK_N,
+keep for each query row a running max m, a running sum l and an unnormalized output acc, and rescale
+them when a new tile raises the max. The T x S score matrix never exists; each program holds a
+BLOCK_M x BLOCK_N tile of it in registers.
+
+Memory traffic (HBM bytes, e = bytes per element, D head dim, per (sequence, head)):
+    naive: writes and reads the T x S scores and probabilities: ~4 T S e on top of Q, K, V, O
+    flash: reads Q and writes O once (2 T D e), reads K and V once per BLOCK_M rows of queries
+           (2 S D e x T / BLOCK_M), never touches T x S.
+
+On a CPU these kernels run through the Triton interpreter (TRITON_INTERPRET=1, set before triton is
+imported): same code, executed with numpy, slow but exact. On a GPU they compile.
+"""
+from __future__ import annotations
+
+import math
+
+import torch
+import triton
+import triton.language as tl
+
+LOG2E = 1.4426950408889634  # exp(x) = exp2(x * log2(e)): exp2 is the GPU's native instruction
+
+
+@triton.jit
+def _flash_fwd_kernel(
+    Q, K, V, O, cu_q, cu_k, scale_log2,
+    sq_t, sq_h, sk_t, sk_h, sv_t, sv_h, so_t, so_h,       # strides (the last dim is contiguous)
+    D: tl.constexpr, GROUP: tl.constexpr, CAUSAL: tl.constexpr, IEEE: tl.constexpr,
+    BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_D: tl.constexpr,
+):
+    # One program: BLOCK_M queries of one sequence, one query head.
+    m_block, seq, head = tl.program_id(0), tl.program_id(1), tl.program_id(2)
+    q_start = tl.load(cu_q + seq)
+    q_len = tl.load(cu_q + seq + 1) - q_start
+    k_start = tl.load(cu_k + seq)
+    k_len = tl.load(cu_k + seq + 1) - k_start
+    if m_block * BLOCK_M >= q_len:
+        return
+    kv_head = head // GROUP                        # GQA: read the shared KV head, never a copy
+    offs_m = m_block * BLOCK_M + tl.arange(0, BLOCK_M)
+    offs_n = tl.arange(0, BLOCK_N)
+    offs_d = tl.arange(0, BLOCK_D)
+    d_ok = offs_d < D
+    # Read the Q tile once: BLOCK_M x D x e bytes.
+    q = tl.load(Q + (q_start + offs_m)[:, None] * sq_t + head * sq_h + offs_d[None, :],
+                mask=(offs_m[:, None] < q_len) & d_ok[None, :], other=0.0)
+    m_i = tl.full([BLOCK_M], float("-inf"), tl.float32)   # running max of the scores (log2 units)
+    l_i = tl.zeros([BLOCK_M], tl.float32)                 # running sum of exp2(score - m_i)
+    acc = tl.zeros([BLOCK_M, BLOCK_D], tl.float32)        # running sum of probabilities x V
+    # Bottom-right causal: query i sits at key position i + (k_len - q_len).
+    offset = k_len - q_len
+    end_n = k_len
+    if CAUSAL:
+        end_n = tl.minimum(k_len, (m_block + 1) * BLOCK_M + offset)  # tiles wholly above the diagonal: skipped
+    for start_n in range(0, end_n, BLOCK_N):
+        cols = start_n + offs_n
+        kv_mask = (cols[:, None] < k_len) & d_ok[None, :]
+        # Read a K tile and a V tile: 2 x BLOCK_N x D x e bytes.
+        k = tl.load(K + (k_start + cols)[:, None] * sk_t + kv_head * sk_h + offs_d[None, :], mask=kv_mask, other=0.0)
+        v = tl.load(V + (k_start + cols)[:, None] * sv_t + kv_head * sv_h + offs_d[None, :], mask=kv_mask, other=0.0)
+        if IEEE:
+            s = tl.dot(q, tl.trans(k), input_precision="ieee")
+        else:
+            s = tl.dot(q, tl.trans(k))
+        s = s * scale_log2                                                    # (BLOCK_M, BLOCK_N), in registers only
+        visible = cols[None, :] < k_len
+        if CAUSAL:
+            visible = visible & (cols[None, :] <= offs_m[:, None] + offset)
+        s = tl.where(visible, s, float("-inf"))
+        m_new = tl.maximum(m_i, tl.max(s, 1))
+        m_safe = tl.where(m_new == float("-inf"), 0.0, m_new)               # a row that sees nothing yet
+        p = tl.math.exp2(s - m_safe[:, None])
+        alpha = tl.math.exp2(m_i - m_safe)                                   # rescale what came before
+        l_i = l_i * alpha + tl.sum(p, 1)
+        if IEEE:
+            acc = acc * alpha[:, None] + tl.dot(p, v, input_precision="ieee")
+        else:
+            acc = acc * alpha[:, None] + tl.dot(p.to(v.dtype), v)
+        m_i = m_new
+    out = tl.where(l_i[:, None] > 0, acc / l_i[:, None], 0.0)               # a query with no keys: 0
+    # Write the O tile once: BLOCK_M x D x e bytes.
+    tl.store(O + (q_start + offs_m)[:, None] * so_t + head * so_h + offs_d[None, :],
+             out.to(O.dtype.element_ty), mask=(offs_m[:, None] < q_len) & d_ok[None, :])
+
+
+@triton.jit
+def _decode_split_kernel(
+    Q, K, V, seqlens, O_part, LSE_part, scale_log2, keys_per_split,
+    sq_b, sq_h, sk_b, sk_t, sk_h, sv_b, sv_t, sv_h, so_b, so_h, so_s, sl_b, sl_h,
+    D: tl.constexpr, GROUP: tl.constexpr, IEEE: tl.constexpr,
+    BLOCK_H: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_D: tl.constexpr,
+):
+    # One program: one sequence, one KV head with all GROUP query heads it serves, one slice of keys.
+    b, kv_head, split = tl.program_id(0), tl.program_id(1), tl.program_id(2)
+    seqlen = tl.load(seqlens + b)
+    lo = split * keys_per_split
+    hi = tl.minimum(lo + keys_per_split, seqlen)
+    offs_h = tl.arange(0, BLOCK_H)               # query heads of this group (padded to a tile)
+    h_ok = offs_h < GROUP
+    heads = kv_head * GROUP + offs_h
+    offs_n = tl.arange(0, BLOCK_N)
+    offs_d = tl.arange(0, BLOCK_D)
+    d_ok = offs_d < D
+    # Read the group's queries: GROUP x D x e bytes.
+    q = tl.load(Q + b * sq_b + heads[:, None] * sq_h + offs_d[None, :], mask=h_ok[:, None] & d_ok[None, :], other=0.0)
+    m_i = tl.full([BLOCK_H], float("-inf"), tl.float32)
+    l_i = tl.zeros([BLOCK_H], tl.float32)
+    acc = tl.zeros([BLOCK_H, BLOCK_D], tl.float32)
+    for start_n in range(lo, hi, BLOCK_N):
+        cols = start_n + offs_n
+        kv_mask = (cols[:, None] < hi) & d_ok[None, :]
+        # Each K/V byte of this slice is read once for all GROUP heads: 2 x BLOCK_N x D x e bytes.
+        k = tl.load(K + b * sk_b + cols[:, None] * sk_t + kv_head * sk_h + offs_d[None, :], mask=kv_mask, other=0.0)
+        v = tl.load(V + b * sv_b + cols[:, None] * sv_t + kv_head * sv_h + offs_d[None, :], mask=kv_mask, other=0.0)
+        if IEEE:
+            s = tl.dot(q, tl.trans(k), input_precision="ieee") * scale_log2
+        else:
+            s = tl.dot(q, tl.trans(k)) * scale_log2
+        s = tl.where(cols[None, :] < hi, s, float("-inf"))
+        m_new = tl.maximum(m_i, tl.max(s, 1))
+        m_safe = tl.where(m_new == float("-inf"), 0.0, m_new)
+        p = tl.math.exp2(s - m_safe[:, None])
+        alpha = tl.math.exp2(m_i - m_safe)
+        l_i = l_i * alpha + tl.sum(p, 1)
+        if IEEE:
+            acc = acc * alpha[:, None] + tl.dot(p, v, input_precision="ieee")
+        else:
+            acc = acc * alpha[:, None] + tl.dot(p.to(v.dtype), v)
+        m_i = m_new
+    # Write this slice's normalized output and its log-sum-exp (log2 units): GROUP x (D + 1) x 4 bytes.
+    out = tl.where(l_i[:, None] > 0, acc / l_i[:, None], 0.0)
+    lse = tl.where(l_i > 0, m_i + tl.math.log2(l_i), float("-inf"))
+    tl.store(O_part + b * so_b + heads[:, None] * so_h + split * so_s + offs_d[None, :], out,
+             mask=h_ok[:, None] & d_ok[None, :])
+    tl.store(LSE_part + b * sl_b + heads * sl_h + split, lse, mask=h_ok)
+
+
+@triton.jit
+def _decode_reduce_kernel(
+    O_part, LSE_part, O, n_splits, so_b, so_h, so_s, sl_b, sl_h, sO_b, sO_h,
+    D: tl.constexpr, BLOCK_S: tl.constexpr, BLOCK_D: tl.constexpr,
+):
+    # One program: one (sequence, head). Combine the slices' softmaxes: weights 2^(lse_i - max lse).
+    b, h = tl.program_id(0), tl.program_id(1)
+    offs_s = tl.arange(0, BLOCK_S)
+    offs_d = tl.arange(0, BLOCK_D)
+    s_ok = offs_s < n_splits
+    lse = tl.load(LSE_part + b * sl_b + h * sl_h + offs_s, mask=s_ok, other=float("-inf"))
+    m = tl.max(lse, 0)
+    m_safe = tl.where(m == float("-inf"), 0.0, m)
+    w = tl.math.exp2(lse - m_safe)                                            # (BLOCK_S,)
+    o = tl.load(O_part + b * so_b + h * so_h + offs_s[:, None] * so_s + offs_d[None, :],
+                mask=s_ok[:, None] & (offs_d[None, :] < D), other=0.0)          # (BLOCK_S, BLOCK_D)
+    total = tl.sum(w, 0)
+    out = tl.sum(o * w[:, None], 0) / tl.where(total > 0, total, 1.0)
+    tl.store(O + b * sO_b + h * sO_h + offs_d, out.to(O.dtype.element_ty), mask=offs_d < D)
+
+
+INTERPRETED = type(_flash_fwd_kernel).__name__ == "InterpretedFunction"
+
+
+def _check(*tensors) -> None:
+    dev = tensors[0].device
+    if any(t.device != dev for t in tensors):
+        raise ValueError(f"all tensors must be on one device; got {[str(t.device) for t in tensors]}")
+    if dev.type == "cpu" and not INTERPRETED:
+        raise RuntimeError("the Triton kernels need a GPU, or the Triton interpreter on CPU: set "
+                           "TRITON_INTERPRET=1 in the environment before anything imports triton "
+                           "(e.g. `TRITON_INTERPRET=1 python ...`)")
+    for t in tensors:
+        if t.is_floating_point() and t.stride(-1) != 1:
+            raise ValueError("the last (head) dimension must be contiguous")
+
+
+def _blocks(D: int) -> int:
+    if D > 256:
+        raise ValueError(f"head dim {D} is not supported (at most 256)")
+    return max(16, triton.next_power_of_2(D))
+
+
+def flash_attn_varlen(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k=None,
+                      causal: bool = True, softmax_scale: float | None = None,
+                      block_m: int = 64, block_n: int = 64, out: torch.Tensor | None = None) -> torch.Tensor:
+    """Packed variable-length attention. q: (total_q, H, D); k, v: (total_k, H_kv, D);
+    cu_seqlens_*: (batch + 1,) int32 cumulative lengths -> out (total_q, H, D)."""
+    _check(q, k, v, cu_seqlens_q, cu_seqlens_k)
+    total_q, H, D = q.shape
+    H_kv = k.shape[1]
+    if H % H_kv:
+        raise ValueError(f"query heads ({H}) must be a multiple of KV heads ({H_kv})")
+    batch = cu_seqlens_q.numel() - 1
+    out = torch.empty_like(q) if out is None else out
+    scale = softmax_scale if softmax_scale is not None else 1.0 / math.sqrt(D)
+    grid = (triton.cdiv(max_seqlen_q, block_m), batch, H)
+    _flash_fwd_kernel[grid](
+        q, k, v, out, cu_seqlens_q, cu_seqlens_k, scale * LOG2E,
+        q.stride(0), q.stride(1), k.stride(0), k.stride(1), v.stride(0), v.stride(1), out.stride(0), out.stride(1),
+        D=D, GROUP=H // H_kv, CAUSAL=causal, IEEE=q.dtype == torch.float32,
+        BLOCK_M=block_m, BLOCK_N=block_n, BLOCK_D=_blocks(D),
+    )
+    return out
+
+
+def default_num_splits(batch: int, kv_heads: int, max_seqlen: int, block_n: int, device) -> int:
+    """Enough slices that batch x kv_heads x splits fills the GPU (about 2 programs per SM),
+    but no slice shorter than a tile. On CPU (the interpreter) fewer, larger slices are faster."""
+    if device.type == "cuda":
+        target = 2 * torch.cuda.get_device_properties(device).multi_processor_count
+    else:
+        target = 4
+    want = triton.cdiv(target, batch * kv_heads)
+    return max(1, min(want, triton.cdiv(max_seqlen, block_n)))
+
+
+def decode_attention(q, k_cache, v_cache, cache_seqlens, block_table=None, softmax_scale: float | None = None,
+                     num_splits: int | None = None, block_n: int = 64, out: torch.Tensor | None = None) -> torch.Tensor:
+    """One query per sequence against its cache. q: (B, H, D); k_cache, v_cache: (B, max_len, H_kv, D);
+    cache_seqlens: (B,) int32, the number of valid keys per sequence -> out (B, H, D)."""
+    if block_table is not None:
+        raise NotImplementedError("paged caches (block_table) come with the paged-attention stage")
+    _check(q, k_cache, v_cache, cache_seqlens)
+    B, H, D = q.shape
+    H_kv = k_cache.shape[2]
+    if H % H_kv:
+        raise ValueError(f"query heads ({H}) must be a multiple of KV heads ({H_kv})")
+    max_len = k_cache.shape[1]
+    splits = num_splits or default_num_splits(B, H_kv, max_len, block_n, q.device)
+    keys_per_split = triton.cdiv(triton.cdiv(max_len, splits), block_n) * block_n
+    splits = triton.cdiv(max_len, keys_per_split)
+    o_part = torch.empty(B, H, splits, D, dtype=torch.float32, device=q.device)
+    lse_part = torch.empty(B, H, splits, dtype=torch.float32, device=q.device)
+    scale = softmax_scale if softmax_scale is not None else 1.0 / math.sqrt(D)
+    group = H // H_kv
+    _decode_split_kernel[(B, H_kv, splits)](
+        q, k_cache, v_cache, cache_seqlens, o_part, lse_part, scale * LOG2E, keys_per_split,
+        q.stride(0), q.stride(1), k_cache.stride(0), k_cache.stride(1), k_cache.stride(2),
+        v_cache.stride(0), v_cache.stride(1), v_cache.stride(2),
+        o_part.stride(0), o_part.stride(1), o_part.stride(2), lse_part.stride(0), lse_part.stride(1),
+        D=D, GROUP=group, IEEE=q.dtype == torch.float32,
+        BLOCK_H=max(16, triton.next_power_of_2(group)), BLOCK_N=block_n, BLOCK_D=_blocks(D),
+    )
+    out = torch.empty_like(q) if out is None else out
+    _decode_reduce_kernel[(B, H)](
+        o_part, lse_part, out, splits, o_part.stride(0), o_part.stride(1), o_part.stride(2),
+        lse_part.stride(0), lse_part.stride(1), out.stride(0), out.stride(1),
+        D=D, BLOCK_S=max(2, triton.next_power_of_2(splits)), BLOCK_D=_blocks(D),
+    )
+    return out
