@@ -185,7 +185,12 @@ def cmd_bench(args) -> None:
 
 
 def main(argv=None) -> None:
+    import os
+
     from .weights import ModelNotFoundError
+
+    if not torch.cuda.is_available():  # Triton kernels (stage flash) run through the interpreter on CPU;
+        os.environ.setdefault("TRITON_INTERPRET", "1")  # it must be on before anything imports triton
 
     args = build_parser().parse_args(argv)
     try:

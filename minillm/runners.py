@@ -7,8 +7,9 @@
 
 Stage 1 (`NaiveRunner`) keeps only the token ids and runs the model over all of
 them at every step. Stage 2 (`KVCacheRunner`) keeps every layer's keys and values
-in a `KVCache`, so a decode step runs the model on one token. The generation loop
-(`generate.py`) is the same for both.
+in a `KVCache`, so a decode step runs the model on one token. Stage 3 (`FlashRunner`)
+keeps that cache and computes attention with Triton kernels. The generation loop
+(`generate.py`) is the same for all.
 """
 from __future__ import annotations
 
@@ -106,7 +107,47 @@ class KVCacheRunner:
         return logits[:, -1]                                                     # (B, vocab)
 
 
-STAGES = {"naive": NaiveRunner, "kv": KVCacheRunner}
+class FlashRunner(KVCacheRunner):
+    """Stage 3: the same KV cache, attention by the Triton kernels of `attention/triton_flash.py`
+    (prefill: `flash_attn_varlen`; decode: `decode_attention`, split along the keys).
+
+    On a CPU the kernels run through the Triton interpreter, which must be switched on
+    (TRITON_INTERPRET=1) before triton is first imported; `python -m minillm` does that for you.
+    """
+
+    name = "flash"
+
+    def __init__(self, model, max_len: int | None = None):
+        from .attention import triton_flash
+
+        self.kernels = triton_flash
+        self._seqlens: torch.Tensor | None = None   # keys per sequence during a decode step
+        super().__init__(model, max_len, attn_fn=self._attention)
+
+    def _attention(self, q, k, v, mask=None):
+        """q: (B, H, T, hd); k, v: (B, n_kv, S, hd) views of the cache -> (B, H, T, hd)."""
+        B, H, T, hd = q.shape
+        S = k.shape[2]
+        if T == 1:                                                    # decode: every sequence at once
+            out = self.kernels.decode_attention(q[:, :, 0], k.permute(0, 2, 1, 3), v.permute(0, 2, 1, 3),
+                                                self._seqlens)        # (B, H, hd)
+            return out[:, :, None]
+        # prefill: one packed sequence per batch row (right padding is hidden by causal masking)
+        cu_q = torch.tensor([0, T], dtype=torch.int32, device=q.device)
+        cu_k = torch.tensor([0, S], dtype=torch.int32, device=q.device)
+        outs = [self.kernels.flash_attn_varlen(q[b].transpose(0, 1), k[b].transpose(0, 1), v[b].transpose(0, 1),
+                                               cu_q, cu_k, T, S, causal=True)     # (T, H, hd)
+                for b in range(B)]
+        return torch.stack(outs).transpose(1, 2)                      # (B, H, T, hd)
+
+    @torch.inference_mode()
+    def decode_batch(self, tokens: list[int]) -> torch.Tensor:
+        self._seqlens = torch.tensor([n + 1 for n in self.cache.lengths], dtype=torch.int32,
+                                     device=self.model.device)
+        return super().decode_batch(tokens)
+
+
+STAGES = {"naive": NaiveRunner, "kv": KVCacheRunner, "flash": FlashRunner}
 
 
 def make_runner(model, stage: str = "naive", max_len: int | None = None):

@@ -125,3 +125,25 @@ def test_clear_error_on_cpu_without_the_interpreter():
             "decode_attention(q, c, c, torch.tensor([8], dtype=torch.int32))")
     r = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, env=env, timeout=120)
     assert r.returncode != 0 and "TRITON_INTERPRET=1" in r.stderr.splitlines()[-1]
+
+
+def test_flash_stage_gives_the_naive_greedy_tokens(model, tokenizer):
+    from minillm.generate import generate
+    from minillm.sampling import SamplingParams
+
+    ids = tokenizer.apply_chat_template([{"role": "user", "content": "What is the capital of France?"}])
+    params = SamplingParams(max_tokens=8, ignore_eos=True)
+    flash = generate(model, tokenizer, ids, params, stage="flash")
+    assert flash.token_ids == generate(model, tokenizer, ids, params, stage="naive").token_ids
+    assert "Paris" in flash.text
+
+
+def test_flash_stage_batch_of_different_lengths(model, tokenizer):
+    from minillm.generate import generate_batch
+    from minillm.sampling import SamplingParams
+
+    prompts = [tokenizer.encode("The capital of France is"), tokenizer.encode("1, 2, 3,")]
+    params = SamplingParams(max_tokens=5, ignore_eos=True)
+    flash = generate_batch(model, tokenizer, prompts, params, stage="flash")
+    naive = generate_batch(model, tokenizer, prompts, params, stage="naive")
+    assert [o.token_ids for o in flash] == [o.token_ids for o in naive]

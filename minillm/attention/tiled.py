@@ -32,19 +32,20 @@ def tiled_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, mask: tor
     g = H // n_kv
     q = q.reshape(B, n_kv, g, T, hd)                                    # GQA: group heads share K/V
     out = torch.empty_like(q)
+    acc_dtype = torch.promote_types(q.dtype, torch.float32)             # accumulate in float32 at least
     scale = 1.0 / math.sqrt(hd)
     offset = S - T                                                      # bottom-right causal alignment
     for i in range(0, T, block_m):
         qi = q[:, :, :, i:i + block_m] * scale                          # (B, n_kv, g, bm, hd)
         rows = torch.arange(i, min(i + block_m, T), device=q.device) + offset
-        m = torch.full(qi.shape[:-1], float("-inf"), device=q.device)   # (B, n_kv, g, bm)
-        l = torch.zeros(qi.shape[:-1], device=q.device)
-        acc = torch.zeros(qi.shape, device=q.device)
+        m = torch.full(qi.shape[:-1], float("-inf"), dtype=acc_dtype, device=q.device)  # (B, n_kv, g, bm)
+        l = torch.zeros(qi.shape[:-1], dtype=acc_dtype, device=q.device)
+        acc = torch.zeros(qi.shape, dtype=acc_dtype, device=q.device)
         last_key = min(S, int(rows[-1]) + 1)                            # later key blocks are all masked
         for j in range(0, last_key, block_n):
             kj = k[:, :, None, j:j + block_n]                           # (B, n_kv, 1, bn, hd)
             vj = v[:, :, None, j:j + block_n]
-            s = (qi @ kj.transpose(-2, -1)).float()                     # (B, n_kv, g, bm, bn): one tile
+            s = (qi @ kj.transpose(-2, -1)).to(acc_dtype)               # (B, n_kv, g, bm, bn): one tile
             cols = torch.arange(j, j + kj.shape[3], device=q.device)
             s = s.masked_fill(cols[None, :] > rows[:, None], float("-inf"))
             m_new = torch.maximum(m, s.amax(-1))
@@ -52,7 +53,7 @@ def tiled_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, mask: tor
             p = torch.exp(s - m_safe[..., None])
             alpha = torch.exp(m - m_safe)                               # rescale the old sums
             l = l * alpha + p.sum(-1)
-            acc = acc * alpha[..., None] + p @ vj.float()
+            acc = acc * alpha[..., None] + p @ vj.to(acc_dtype)
             m = m_new
         out[:, :, :, i:i + block_m] = torch.where(l[..., None] > 0, acc / l[..., None], 0.0).to(q.dtype)
     return out.reshape(B, H, T, hd)

@@ -89,7 +89,7 @@ def _flash_fwd_kernel(
         else:
             acc = acc * alpha[:, None] + tl.dot(p.to(v.dtype), v)
         m_i = m_new
-    out = tl.where(l_i[:, None] > 0, acc / l_i[:, None], 0.0)               # a query with no keys: 0
+    out = acc / tl.where(l_i > 0, l_i, 1.0)[:, None]                        # a query with no keys: acc = 0
     # Write the O tile once: BLOCK_M x D x e bytes.
     tl.store(O + (q_start + offs_m)[:, None] * so_t + head * so_h + offs_d[None, :],
              out.to(O.dtype.element_ty), mask=(offs_m[:, None] < q_len) & d_ok[None, :])
@@ -140,8 +140,9 @@ def _decode_split_kernel(
             acc = acc * alpha[:, None] + tl.dot(p.to(v.dtype), v)
         m_i = m_new
     # Write this slice's normalized output and its log-sum-exp (log2 units): GROUP x (D + 1) x 4 bytes.
-    out = tl.where(l_i[:, None] > 0, acc / l_i[:, None], 0.0)
-    lse = tl.where(l_i > 0, m_i + tl.math.log2(l_i), float("-inf"))
+    l_safe = tl.where(l_i > 0, l_i, 1.0)                                     # an empty slice: acc = 0
+    out = acc / l_safe[:, None]
+    lse = tl.where(l_i > 0, m_i + tl.math.log2(l_safe), float("-inf"))
     tl.store(O_part + b * so_b + heads[:, None] * so_h + split * so_s + offs_d[None, :], out,
              mask=h_ok[:, None] & d_ok[None, :])
     tl.store(LSE_part + b * sl_b + heads * sl_h + split, lse, mask=h_ok)
@@ -168,17 +169,38 @@ def _decode_reduce_kernel(
     tl.store(O + b * sO_b + h * sO_h + offs_d, out.to(O.dtype.element_ty), mask=offs_d < D)
 
 
+@triton.jit
+def _smoke_kernel(X, N: tl.constexpr):
+    tl.store(X + tl.arange(0, N), tl.zeros([N], tl.float32) + 1.0)
+
+
 INTERPRETED = type(_flash_fwd_kernel).__name__ == "InterpretedFunction"
+NEED_INTERPRETER = ("the Triton kernels need a GPU, or the Triton interpreter on CPU: set TRITON_INTERPRET=1 "
+                    "in the environment before anything imports triton (torch may import it while loading a "
+                    "model), e.g. `TRITON_INTERPRET=1 python ...`")
+_interpreter_ok: bool | None = None
+
+
+def _interpreter_works() -> bool:
+    """The interpreter must be on from the moment triton is imported; set later, it half works.
+    One tiny launch tells."""
+    global _interpreter_ok
+    if _interpreter_ok is None:
+        try:
+            x = torch.zeros(16)
+            _smoke_kernel[(1,)](x, N=16)
+            _interpreter_ok = bool((x == 1).all())
+        except Exception:
+            _interpreter_ok = False
+    return _interpreter_ok
 
 
 def _check(*tensors) -> None:
     dev = tensors[0].device
     if any(t.device != dev for t in tensors):
         raise ValueError(f"all tensors must be on one device; got {[str(t.device) for t in tensors]}")
-    if dev.type == "cpu" and not INTERPRETED:
-        raise RuntimeError("the Triton kernels need a GPU, or the Triton interpreter on CPU: set "
-                           "TRITON_INTERPRET=1 in the environment before anything imports triton "
-                           "(e.g. `TRITON_INTERPRET=1 python ...`)")
+    if dev.type == "cpu" and not (INTERPRETED and _interpreter_works()):
+        raise RuntimeError(NEED_INTERPRETER)
     for t in tensors:
         if t.is_floating_point() and t.stride(-1) != 1:
             raise ValueError("the last (head) dimension must be contiguous")
