@@ -25,3 +25,44 @@ def median_time(fn, repeats: int = 5, warmup: int = 1, device=None) -> float:
         sync(device)
         times.append(time.perf_counter() - t0)
     return statistics.median(times)
+
+
+def _rss_peak_kib() -> int:
+    for line in open("/proc/self/status"):
+        if line.startswith("VmHWM:"):
+            return int(line.split()[1])
+    raise OSError("no VmHWM")
+
+
+_libc = None
+
+
+def _return_freed_memory_to_the_os() -> None:
+    """glibc keeps freed memory for reuse, so an allocation can be served from pages the process
+    already holds and a measurement would read low. A fixed mmap threshold makes large blocks go
+    back to the OS when freed, and malloc_trim hands back what is free now."""
+    global _libc
+    try:
+        if _libc is None:
+            import ctypes
+
+            _libc = ctypes.CDLL("libc.so.6")
+            _libc.mallopt(-3, 64 * 1024)   # M_MMAP_THRESHOLD: blocks above 64 KiB are mmapped, unmapped at free
+            _libc.mallopt(-1, 128 * 1024)  # M_TRIM_THRESHOLD
+        _libc.malloc_trim(0)
+    except (OSError, AttributeError):
+        pass
+
+
+def peak_memory_bytes(fn) -> int | None:
+    """Peak extra resident memory while fn() runs (Linux: the kernel's high-water mark, reset first).
+    Returns None where the OS does not offer it. Counts what torch really allocated, temporaries included."""
+    _return_freed_memory_to_the_os()
+    try:
+        with open("/proc/self/clear_refs", "w") as f:
+            f.write("5")                       # reset the high-water mark to the current size
+        base = _rss_peak_kib()
+        fn()
+        return (_rss_peak_kib() - base) * 1024
+    except OSError:
+        return None

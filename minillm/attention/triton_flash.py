@@ -214,7 +214,8 @@ def _blocks(D: int) -> int:
 
 def flash_attn_varlen(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k=None,
                       causal: bool = True, softmax_scale: float | None = None,
-                      block_m: int = 64, block_n: int = 64, out: torch.Tensor | None = None) -> torch.Tensor:
+                      block_m: int = 64, block_n: int = 64, out: torch.Tensor | None = None,
+                      num_warps: int = 4, num_stages: int = 2) -> torch.Tensor:
     """Packed variable-length attention. q: (total_q, H, D); k, v: (total_k, H_kv, D);
     cu_seqlens_*: (batch + 1,) int32 cumulative lengths -> out (total_q, H, D)."""
     _check(q, k, v, cu_seqlens_q, cu_seqlens_k)
@@ -230,7 +231,7 @@ def flash_attn_varlen(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seq
         q, k, v, out, cu_seqlens_q, cu_seqlens_k, scale * LOG2E,
         q.stride(0), q.stride(1), k.stride(0), k.stride(1), v.stride(0), v.stride(1), out.stride(0), out.stride(1),
         D=D, GROUP=H // H_kv, CAUSAL=causal, IEEE=q.dtype == torch.float32,
-        BLOCK_M=block_m, BLOCK_N=block_n, BLOCK_D=_blocks(D),
+        BLOCK_M=block_m, BLOCK_N=block_n, BLOCK_D=_blocks(D), num_warps=num_warps, num_stages=num_stages,
     )
     return out
 
