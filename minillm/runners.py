@@ -13,6 +13,8 @@ keeps that cache and computes attention with Triton kernels. The generation loop
 """
 from __future__ import annotations
 
+import itertools
+
 import torch
 
 from .attention import naive_attention, sdpa_attention
@@ -147,7 +149,91 @@ class FlashRunner(KVCacheRunner):
         return super().decode_batch(tokens)
 
 
-STAGES = {"naive": NaiveRunner, "kv": KVCacheRunner, "flash": FlashRunner}
+class _PagedCache:
+    """What the model sees as `cache`: writes each layer's new K/V into their slots of the pool."""
+
+    def __init__(self, runner: "PagedRunner"):
+        self.runner = runner
+
+    def update(self, layer: int, k: torch.Tensor, v: torch.Tensor):
+        r = self.runner
+        k_new = torch.cat([k[b, :, :n].transpose(0, 1) for b, n in enumerate(r.step_lengths)])  # (tokens, n_kv, hd)
+        v_new = torch.cat([v[b, :, :n].transpose(0, 1) for b, n in enumerate(r.step_lengths)])
+        r.kernels.write_kv_to_slots(k_new, v_new, r.pool.k[layer], r.pool.v[layer], r.slots)
+        return r.pool.k[layer], r.pool.v[layer]                      # (num_blocks, block_size, n_kv, hd)
+
+
+class PagedRunner:
+    """Stage 4: K/V in a pool of fixed-size blocks, allocated as sequences grow (`kv/paged.py`);
+    attention reads them through block tables (Triton kernels, `attention/triton_paged.py`)."""
+
+    name = "paged"
+
+    def __init__(self, model, max_len: int | None = None, block_size: int = 16, num_blocks: int | None = None):
+        from .attention import triton_paged
+        from .kv import BlockPool
+
+        self.model, self.kernels = model, triton_paged
+        self.max_len = min(max_len or model.cfg.max_seq_len, model.cfg.max_seq_len)
+        self.block_size, self.num_blocks = block_size, num_blocks
+        self._pool_cls = BlockPool
+        self.pool = None
+        self.seqs: list[int] = []
+        self.step_lengths: list[int] = []   # new tokens per sequence in this step
+        self.slots: torch.Tensor | None = None
+
+    def _attention(self, q, k_pool, v_pool, mask=None):
+        """q: (B, H, T, hd) -> (B, H, T, hd), keys and values read through the block tables."""
+        B, H, T, hd = q.shape
+        table = self.pool.block_table(self.seqs)
+        lengths = torch.tensor([self.pool.lengths[s] for s in self.seqs], dtype=torch.int32, device=q.device)
+        if T == 1:
+            return self.kernels.decode_attention(q[:, :, 0], k_pool, v_pool, lengths, block_table=table)[:, :, None]
+        new = self.step_lengths
+        qp = torch.cat([q[b, :, :n].transpose(0, 1) for b, n in enumerate(new)])             # (tokens, H, hd)
+        cu_q = torch.tensor([0] + list(itertools.accumulate(new)), dtype=torch.int32, device=q.device)
+        cu_k = torch.cat([lengths.new_zeros(1), lengths.cumsum(0).int()])
+        out_p = self.kernels.flash_attn_varlen(qp, k_pool, v_pool, cu_q, cu_k, max(new), int(lengths.max()),
+                                               causal=True, block_table=table)               # (tokens, H, hd)
+        out = q.new_zeros(B, H, T, hd)
+        for b, (start, n) in enumerate(zip(cu_q[:-1].tolist(), new)):
+            out[b, :, :n] = out_p[start:start + n].transpose(0, 1)
+        return out
+
+    def _forward(self, ids: torch.Tensor, positions: torch.Tensor) -> torch.Tensor:
+        return self.model(ids, positions, _PagedCache(self), None, attn_fn=self._attention)
+
+    @torch.inference_mode()
+    def prefill(self, ids: list[int]) -> torch.Tensor:
+        return self.prefill_batch([ids])[0]
+
+    @torch.inference_mode()
+    def decode(self, token: int) -> torch.Tensor:
+        return self.decode_batch([token])[0]
+
+    @torch.inference_mode()
+    def prefill_batch(self, seqs: list[list[int]]) -> torch.Tensor:
+        m = self.model
+        ids, lengths = _right_pad(seqs, m.device)                                  # (B, T)
+        per_seq = -(-max(self.max_len, ids.shape[1]) // self.block_size)
+        self.pool = self._pool_cls(m.cfg, self.num_blocks or len(seqs) * per_seq, self.block_size, m.dtype, m.device)
+        self.seqs = list(range(len(seqs)))
+        self.step_lengths = lengths
+        self.slots = torch.cat([self.pool.allocate(s, n) for s, n in zip(self.seqs, lengths)])
+        positions = torch.arange(ids.shape[1], device=m.device).expand(len(seqs), -1)  # (B, T)
+        logits = self._forward(ids, positions)                                      # (B, T, vocab)
+        return logits[torch.arange(len(lengths)), torch.tensor(lengths) - 1]
+
+    @torch.inference_mode()
+    def decode_batch(self, tokens: list[int]) -> torch.Tensor:
+        ids = torch.tensor(tokens, device=self.model.device)[:, None]              # (B, 1)
+        positions = torch.tensor([[self.pool.lengths[s]] for s in self.seqs], device=self.model.device)
+        self.step_lengths = [1] * len(self.seqs)
+        self.slots = torch.cat([self.pool.append_slots(s, 1) for s in self.seqs])
+        return self._forward(ids, positions)[:, -1]                                # (B, vocab)
+
+
+STAGES = {"naive": NaiveRunner, "kv": KVCacheRunner, "flash": FlashRunner, "paged": PagedRunner}
 
 
 def make_runner(model, stage: str = "naive", max_len: int | None = None):

@@ -49,5 +49,5 @@ def test_bad_prompts_are_clear_errors(model, tokenizer):
         generate(model, tokenizer, [], SamplingParams())
     with pytest.raises(ValueError, match="shorten it"):
         generate(model, tokenizer, [1] * model.cfg.max_seq_len, SamplingParams())
-    with pytest.raises(ValueError, match="unknown stage 'warp'; choose one of: naive, kv, flash"):
+    with pytest.raises(ValueError, match="unknown stage 'warp'; choose one of: naive, kv, flash, paged"):
         make_runner(model, "warp")

@@ -35,10 +35,11 @@ LOG2E = 1.4426950408889634  # exp(x) = exp2(x * log2(e)): exp2 is the GPU's nati
 
 @triton.jit
 def _flash_fwd_kernel(
-    Q, K, V, O, cu_q, cu_k, scale_log2,
+    Q, K, V, O, cu_q, cu_k, scale_log2, block_table, s_bt,
     sq_t, sq_h, sk_t, sk_h, sv_t, sv_h, so_t, so_h,       # strides (the last dim is contiguous)
     D: tl.constexpr, GROUP: tl.constexpr, CAUSAL: tl.constexpr, IEEE: tl.constexpr,
     BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_D: tl.constexpr,
+    PAGED: tl.constexpr, PAGE: tl.constexpr,
 ):
     # One program: BLOCK_M queries of one sequence, one query head.
     m_block, seq, head = tl.program_id(0), tl.program_id(1), tl.program_id(2)
@@ -67,9 +68,14 @@ def _flash_fwd_kernel(
     for start_n in range(0, end_n, BLOCK_N):
         cols = start_n + offs_n
         kv_mask = (cols[:, None] < k_len) & d_ok[None, :]
+        if PAGED:  # key j of this sequence lives in page block_table[seq, j // PAGE], at row j % PAGE
+            page = tl.load(block_table + seq * s_bt + cols // PAGE, mask=cols < k_len, other=0)
+            rows = page * PAGE + cols % PAGE
+        else:      # packed: the sequence's keys follow one another from k_start
+            rows = k_start + cols
         # Read a K tile and a V tile: 2 x BLOCK_N x D x e bytes.
-        k = tl.load(K + (k_start + cols)[:, None] * sk_t + kv_head * sk_h + offs_d[None, :], mask=kv_mask, other=0.0)
-        v = tl.load(V + (k_start + cols)[:, None] * sv_t + kv_head * sv_h + offs_d[None, :], mask=kv_mask, other=0.0)
+        k = tl.load(K + rows[:, None] * sk_t + kv_head * sk_h + offs_d[None, :], mask=kv_mask, other=0.0)
+        v = tl.load(V + rows[:, None] * sv_t + kv_head * sv_h + offs_d[None, :], mask=kv_mask, other=0.0)
         if IEEE:
             s = tl.dot(q, tl.trans(k), input_precision="ieee")
         else:
@@ -97,10 +103,11 @@ def _flash_fwd_kernel(
 
 @triton.jit
 def _decode_split_kernel(
-    Q, K, V, seqlens, O_part, LSE_part, scale_log2, keys_per_split,
+    Q, K, V, seqlens, O_part, LSE_part, scale_log2, keys_per_split, block_table, s_bt,
     sq_b, sq_h, sk_b, sk_t, sk_h, sv_b, sv_t, sv_h, so_b, so_h, so_s, sl_b, sl_h,
     D: tl.constexpr, GROUP: tl.constexpr, IEEE: tl.constexpr,
     BLOCK_H: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_D: tl.constexpr,
+    PAGED: tl.constexpr, PAGE: tl.constexpr,
 ):
     # One program: one sequence, one KV head with all GROUP query heads it serves, one slice of keys.
     b, kv_head, split = tl.program_id(0), tl.program_id(1), tl.program_id(2)
@@ -121,9 +128,15 @@ def _decode_split_kernel(
     for start_n in range(lo, hi, BLOCK_N):
         cols = start_n + offs_n
         kv_mask = (cols[:, None] < hi) & d_ok[None, :]
+        if PAGED:  # key j lives in page block_table[b, j // PAGE], at row j % PAGE
+            page = tl.load(block_table + b * s_bt + cols // PAGE, mask=cols < hi, other=0)
+            rows = page * PAGE + cols % PAGE
+            k_off, v_off = rows * sk_t, rows * sv_t
+        else:      # contiguous: sequence b's own cache, key j at row j
+            k_off, v_off = b * sk_b + cols * sk_t, b * sv_b + cols * sv_t
         # Each K/V byte of this slice is read once for all GROUP heads: 2 x BLOCK_N x D x e bytes.
-        k = tl.load(K + b * sk_b + cols[:, None] * sk_t + kv_head * sk_h + offs_d[None, :], mask=kv_mask, other=0.0)
-        v = tl.load(V + b * sv_b + cols[:, None] * sv_t + kv_head * sv_h + offs_d[None, :], mask=kv_mask, other=0.0)
+        k = tl.load(K + k_off[:, None] + kv_head * sk_h + offs_d[None, :], mask=kv_mask, other=0.0)
+        v = tl.load(V + v_off[:, None] + kv_head * sv_h + offs_d[None, :], mask=kv_mask, other=0.0)
         if IEEE:
             s = tl.dot(q, tl.trans(k), input_precision="ieee") * scale_log2
         else:
@@ -213,27 +226,44 @@ def _blocks(D: int) -> int:
 
 
 def flash_attn_varlen(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k=None,
-                      causal: bool = True, softmax_scale: float | None = None,
+                      causal: bool = True, softmax_scale: float | None = None, block_table=None,
                       block_m: int = 64, block_n: int = 64, out: torch.Tensor | None = None,
                       num_warps: int = 4, num_stages: int = 2) -> torch.Tensor:
     """Packed variable-length attention. q: (total_q, H, D); k, v: (total_k, H_kv, D);
-    cu_seqlens_*: (batch + 1,) int32 cumulative lengths -> out (total_q, H, D)."""
+    cu_seqlens_*: (batch + 1,) int32 cumulative lengths -> out (total_q, H, D).
+
+    With a `block_table` (batch, max_blocks) int32, k and v are paged caches
+    (num_blocks, block_size, H_kv, D) and cu_seqlens_k still gives each sequence's key count:
+    the new queries attend to a prefix that lives in pages (prefix caching, chunked prefill)."""
     _check(q, k, v, cu_seqlens_q, cu_seqlens_k)
     total_q, H, D = q.shape
-    H_kv = k.shape[1]
+    H_kv = k.shape[-2]
     if H % H_kv:
         raise ValueError(f"query heads ({H}) must be a multiple of KV heads ({H_kv})")
+    k, v, page, table = _paged_view(k, v, block_table)
     batch = cu_seqlens_q.numel() - 1
     out = torch.empty_like(q) if out is None else out
     scale = softmax_scale if softmax_scale is not None else 1.0 / math.sqrt(D)
     grid = (triton.cdiv(max_seqlen_q, block_m), batch, H)
     _flash_fwd_kernel[grid](
-        q, k, v, out, cu_seqlens_q, cu_seqlens_k, scale * LOG2E,
+        q, k, v, out, cu_seqlens_q, cu_seqlens_k, scale * LOG2E, table, table.stride(0),
         q.stride(0), q.stride(1), k.stride(0), k.stride(1), v.stride(0), v.stride(1), out.stride(0), out.stride(1),
         D=D, GROUP=H // H_kv, CAUSAL=causal, IEEE=q.dtype == torch.float32,
-        BLOCK_M=block_m, BLOCK_N=block_n, BLOCK_D=_blocks(D), num_warps=num_warps, num_stages=num_stages,
+        BLOCK_M=block_m, BLOCK_N=block_n, BLOCK_D=_blocks(D), PAGED=block_table is not None, PAGE=page,
+        num_warps=num_warps, num_stages=num_stages,
     )
     return out
+
+
+def _paged_view(k, v, block_table):
+    """Paged caches (num_blocks, block_size, H_kv, D) as (num_blocks * block_size, H_kv, D) rows,
+    with the page size; without a block table, a dummy table the kernel never reads."""
+    if block_table is None:
+        return k, v, 1, torch.zeros(1, 1, dtype=torch.int32, device=k.device)
+    if k.dim() != 4 or block_table.dtype != torch.int32:
+        raise ValueError("with block_table, k/v must be (num_blocks, block_size, H_kv, D) and block_table int32")
+    page = k.shape[1]
+    return k.reshape(-1, *k.shape[2:]), v.reshape(-1, *v.shape[2:]), page, block_table
 
 
 def default_num_splits(batch: int, kv_heads: int, max_seqlen: int, block_n: int, device) -> int:
@@ -249,16 +279,19 @@ def default_num_splits(batch: int, kv_heads: int, max_seqlen: int, block_n: int,
 
 def decode_attention(q, k_cache, v_cache, cache_seqlens, block_table=None, softmax_scale: float | None = None,
                      num_splits: int | None = None, block_n: int = 64, out: torch.Tensor | None = None) -> torch.Tensor:
-    """One query per sequence against its cache. q: (B, H, D); k_cache, v_cache: (B, max_len, H_kv, D);
-    cache_seqlens: (B,) int32, the number of valid keys per sequence -> out (B, H, D)."""
-    if block_table is not None:
-        raise NotImplementedError("paged caches (block_table) come with the paged-attention stage")
+    """One query per sequence against its cache -> out (B, H, D). q: (B, H, D);
+    cache_seqlens: (B,) int32, the number of valid keys per sequence.
+
+    Contiguous: k_cache, v_cache (B, max_len, H_kv, D). Paged (flash-attn's flash_attn_with_kvcache
+    convention): k_cache, v_cache (num_blocks, block_size, H_kv, D) and block_table (B, max_blocks)
+    int32 mapping each sequence's logical blocks to physical ones."""
     _check(q, k_cache, v_cache, cache_seqlens)
     B, H, D = q.shape
     H_kv = k_cache.shape[2]
     if H % H_kv:
         raise ValueError(f"query heads ({H}) must be a multiple of KV heads ({H_kv})")
-    max_len = k_cache.shape[1]
+    max_len = k_cache.shape[1] if block_table is None else block_table.shape[1] * k_cache.shape[1]
+    k_rows, v_rows, page, table = _paged_view(k_cache, v_cache, block_table)
     splits = num_splits or default_num_splits(B, H_kv, max_len, block_n, q.device)
     keys_per_split = triton.cdiv(triton.cdiv(max_len, splits), block_n) * block_n
     splits = triton.cdiv(max_len, keys_per_split)
@@ -266,13 +299,19 @@ def decode_attention(q, k_cache, v_cache, cache_seqlens, block_table=None, softm
     lse_part = torch.empty(B, H, splits, dtype=torch.float32, device=q.device)
     scale = softmax_scale if softmax_scale is not None else 1.0 / math.sqrt(D)
     group = H // H_kv
+    if block_table is None:  # (B, max_len, H_kv, D): strides of batch, token, head
+        sk = (k_cache.stride(0), k_cache.stride(1), k_cache.stride(2))
+        sv = (v_cache.stride(0), v_cache.stride(1), v_cache.stride(2))
+    else:                    # rows of all pages: (num_blocks * block_size, H_kv, D)
+        sk = (0, k_rows.stride(0), k_rows.stride(1))
+        sv = (0, v_rows.stride(0), v_rows.stride(1))
     _decode_split_kernel[(B, H_kv, splits)](
-        q, k_cache, v_cache, cache_seqlens, o_part, lse_part, scale * LOG2E, keys_per_split,
-        q.stride(0), q.stride(1), k_cache.stride(0), k_cache.stride(1), k_cache.stride(2),
-        v_cache.stride(0), v_cache.stride(1), v_cache.stride(2),
+        q, k_rows, v_rows, cache_seqlens, o_part, lse_part, scale * LOG2E, keys_per_split, table, table.stride(0),
+        q.stride(0), q.stride(1), *sk, *sv,
         o_part.stride(0), o_part.stride(1), o_part.stride(2), lse_part.stride(0), lse_part.stride(1),
         D=D, GROUP=group, IEEE=q.dtype == torch.float32,
         BLOCK_H=max(16, triton.next_power_of_2(group)), BLOCK_N=block_n, BLOCK_D=_blocks(D),
+        PAGED=block_table is not None, PAGE=page,
     )
     out = torch.empty_like(q) if out is None else out
     _decode_reduce_kernel[(B, H)](
