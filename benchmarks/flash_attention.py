@@ -11,6 +11,9 @@ on NVIDIA GPUs). Each Triton time is the best of a few tile configurations.
 Decode: one query per sequence against a contiguous cache, split along the keys; reports achieved
 bandwidth (K and V bytes read / time) against the GPU's measured copy bandwidth.
 
+Paged decode (stage 4): the same decode through a shuffled block table (16-token pages) against the
+contiguous kernel at equal context, both as fractions of copy bandwidth.
+
 Writes JSON to benchmarks/results/flash_<gpu>.json (or the --out path).
 """
 from __future__ import annotations
@@ -112,6 +115,35 @@ def decode_case(B, ctx, H, H_kv, D, dtype, device, copy_bw) -> dict:
     return row
 
 
+def paged_decode_case(B, ctx, H, H_kv, D, block_size, dtype, device, copy_bw) -> dict:
+    """The paged decode kernel against the contiguous one at equal context: same bytes, read through
+    a shuffled block table (pages never adjacent)."""
+    g = torch.Generator(device=device).manual_seed(2)
+    q = torch.randn(B, H, D, device=device, dtype=dtype, generator=g)
+    kc = torch.randn(B, ctx, H_kv, D, device=device, dtype=dtype, generator=g)
+    vc = torch.randn(B, ctx, H_kv, D, device=device, dtype=dtype, generator=g)
+    lens = torch.full((B,), ctx, dtype=torch.int32, device=device)
+    per_seq = ctx // block_size
+    perm = torch.randperm(B * per_seq, generator=torch.Generator().manual_seed(3)).to(device)
+    table = perm.view(B, per_seq).int()
+    kp = torch.empty(B * per_seq, block_size, H_kv, D, device=device, dtype=dtype)
+    vp = torch.empty_like(kp)
+    kp[table.long()] = kc.view(B, per_seq, block_size, H_kv, D)   # the same keys, scattered over pages
+    vp[table.long()] = vc.view(B, per_seq, block_size, H_kv, D)
+    err = (decode_attention(q, kp, vp, lens, block_table=table).float()
+           - decode_attention(q, kc, vc, lens).float()).abs().max().item()
+    t_cont = bench_ms(lambda: decode_attention(q, kc, vc, lens), device)
+    t_paged = bench_ms(lambda: decode_attention(q, kp, vp, lens, block_table=table), device)
+    nbytes = kc.nbytes + vc.nbytes
+    row = {"batch": B, "context": ctx, "heads": H, "kv_heads": H_kv, "head_dim": D, "block_size": block_size,
+           "contiguous_ms": t_cont, "paged_ms": t_paged,
+           "contiguous_fraction": nbytes / (t_cont / 1e3) / copy_bw, "paged_fraction": nbytes / (t_paged / 1e3) / copy_bw,
+           "max_abs_diff_paged_vs_contiguous": err}
+    print(f"paged   B={B:<3} ctx={ctx:<6} block {block_size}: contiguous {row['contiguous_fraction']:.0%}, "
+          f"paged {row['paged_fraction']:.0%} of copy bandwidth", flush=True)
+    return row
+
+
 def main():
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--smoke", action="store_true", help="tiny sizes, to check the script runs (CPU ok)")
@@ -124,10 +156,11 @@ def main():
     info = machine_info()
     copy_bw = copy_bandwidth(device)
     print(f"{info['gpu'] or info['cpu']}: copy bandwidth {copy_bw / 1e9:.0f} GB/s", flush=True)
-    prefill, decode = [], []
+    prefill, decode, paged = [], [], []
     if args.smoke:
         prefill.append(prefill_case(2, 48, 4, 2, 64, dtype, device, naive_ok=True))
         decode.append(decode_case(2, 100, 4, 2, 64, dtype, device, copy_bw))
+        paged.append(paged_decode_case(2, 64, 4, 2, 64, 16, dtype, device, copy_bw))
     else:
         for D in (64, 128):
             for ratio in (1, 4, 8):
@@ -137,7 +170,11 @@ def main():
         for B in (1, 8, 32):
             for ctx in (2048, 8192, 16384, 32768):
                 decode.append(decode_case(B, ctx, 32, 8, 128, dtype, device, copy_bw))
-    report = {"machine": info, "copy_bytes_per_s": copy_bw, "smoke": args.smoke, "prefill": prefill, "decode": decode}
+        for B in (8, 32):
+            for ctx in (8192, 32768):
+                paged.append(paged_decode_case(B, ctx, 32, 8, 128, 16, dtype, device, copy_bw))
+    report = {"machine": info, "copy_bytes_per_s": copy_bw, "smoke": args.smoke, "prefill": prefill,
+              "decode": decode, "paged_decode": paged}
     name = re.sub(r"[^a-z0-9]+", "_", (info["gpu"] or "cpu").lower()).strip("_")
     out = Path(args.out) if args.out else Path(__file__).parent / "results" / f"flash_{name}{'_smoke' if args.smoke else ''}.json"
     out.write_text(json.dumps(report, indent=1))

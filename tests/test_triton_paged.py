@@ -115,3 +115,20 @@ def test_paged_batch_of_different_lengths_matches_each_alone(model, tokenizer):
     together = generate_batch(model, tokenizer, prompts, params, stage="paged")
     for p, out in zip(prompts, together):
         assert out.token_ids == generate_batch(model, tokenizer, [p], params, stage="naive")[0].token_ids
+
+
+def test_gpu_benchmark_script_runs_in_smoke_mode(tmp_path):
+    """benchmarks/flash_attention.py is meant for a GPU; --smoke checks it end to end anywhere."""
+    import json
+    import os
+    import subprocess
+    import sys
+
+    script = os.path.join(os.path.dirname(__file__), "..", "benchmarks", "flash_attention.py")
+    out = tmp_path / "smoke.json"
+    r = subprocess.run([sys.executable, script, "--smoke", "--out", str(out)], capture_output=True, text=True,
+                       timeout=300)
+    assert r.returncode == 0, r.stderr[-2000:]
+    report = json.loads(out.read_text())
+    assert report["prefill"] and report["decode"] and report["paged_decode"]
+    assert report["paged_decode"][0]["max_abs_diff_paged_vs_contiguous"] < 1e-5

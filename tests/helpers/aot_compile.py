@@ -9,6 +9,7 @@ from triton.backends.compiler import GPUTarget
 from triton.compiler import ASTSource
 
 from minillm.attention import triton_flash as tf
+from minillm.attention import triton_paged as tp
 
 TARGET = GPUTarget("cuda", 90, 32)
 SHARED_LIMIT = 232448  # bytes of shared memory a block may use on H100/H200
@@ -21,21 +22,29 @@ def build(fn, signature, constexprs, name, **options):
     print(name, "OK", kernel.metadata.shared)
 
 
-for dt, D in (("bf16", 128), ("fp16", 64), ("fp32", 64)):
+def consts(names):
+    return {n: "constexpr" for n in names}
+
+
+for dt, D, paged in (("bf16", 128, False), ("fp16", 64, True), ("fp32", 64, False)):
     sig = {"Q": f"*{dt}", "K": f"*{dt}", "V": f"*{dt}", "O": f"*{dt}", "cu_q": "*i32", "cu_k": "*i32",
-           "scale_log2": "fp32", **{n: "i32" for n in ["sq_t", "sq_h", "sk_t", "sk_h", "sv_t", "sv_h", "so_t", "so_h"]},
-           **{n: "constexpr" for n in ["D", "GROUP", "CAUSAL", "IEEE", "BLOCK_M", "BLOCK_N", "BLOCK_D"]}}
-    build(tf._flash_fwd_kernel, sig, {"D": D, "GROUP": 4, "CAUSAL": True, "IEEE": dt == "fp32",
-                                      "BLOCK_M": 64, "BLOCK_N": 64, "BLOCK_D": D},
-          f"prefill-{dt}-d{D}", num_warps=4, num_stages=2)
+           "scale_log2": "fp32", "block_table": "*i32", "s_bt": "i32",
+           **{n: "i32" for n in ["sq_t", "sq_h", "sk_t", "sk_h", "sv_t", "sv_h", "so_t", "so_h"]},
+           **consts(["D", "GROUP", "CAUSAL", "IEEE", "BLOCK_M", "BLOCK_N", "BLOCK_D", "PAGED", "PAGE"])}
+    build(tf._flash_fwd_kernel, sig, {"D": D, "GROUP": 4, "CAUSAL": True, "IEEE": dt == "fp32", "BLOCK_M": 64,
+                                      "BLOCK_N": 64, "BLOCK_D": D, "PAGED": paged, "PAGE": 16},
+          f"prefill-{dt}-d{D}{'-paged' if paged else ''}", num_warps=4, num_stages=2)
     sig = {"Q": f"*{dt}", "K": f"*{dt}", "V": f"*{dt}", "seqlens": "*i32", "O_part": "*fp32", "LSE_part": "*fp32",
-           "scale_log2": "fp32", "keys_per_split": "i32",
+           "scale_log2": "fp32", "keys_per_split": "i32", "block_table": "*i32", "s_bt": "i32",
            **{n: "i32" for n in ["sq_b", "sq_h", "sk_b", "sk_t", "sk_h", "sv_b", "sv_t", "sv_h",
                                  "so_b", "so_h", "so_s", "sl_b", "sl_h"]},
-           **{n: "constexpr" for n in ["D", "GROUP", "IEEE", "BLOCK_H", "BLOCK_N", "BLOCK_D"]}}
-    build(tf._decode_split_kernel, sig, {"D": D, "GROUP": 4, "IEEE": dt == "fp32", "BLOCK_H": 16,
-                                         "BLOCK_N": 64, "BLOCK_D": D}, f"decode-{dt}-d{D}", num_warps=4)
+           **consts(["D", "GROUP", "IEEE", "BLOCK_H", "BLOCK_N", "BLOCK_D", "PAGED", "PAGE"])}
+    build(tf._decode_split_kernel, sig, {"D": D, "GROUP": 4, "IEEE": dt == "fp32", "BLOCK_H": 16, "BLOCK_N": 64,
+                                         "BLOCK_D": D, "PAGED": paged, "PAGE": 16},
+          f"decode-{dt}-d{D}{'-paged' if paged else ''}", num_warps=4)
 sig = {"O_part": "*fp32", "LSE_part": "*fp32", "O": "*bf16", "n_splits": "i32",
-       **{n: "i32" for n in ["so_b", "so_h", "so_s", "sl_b", "sl_h", "sO_b", "sO_h"]},
-       **{n: "constexpr" for n in ["D", "BLOCK_S", "BLOCK_D"]}}
+       **{n: "i32" for n in ["so_b", "so_h", "so_s", "sl_b", "sl_h", "sO_b", "sO_h"]}, **consts(["D", "BLOCK_S", "BLOCK_D"])}
 build(tf._decode_reduce_kernel, sig, {"D": 128, "BLOCK_S": 16, "BLOCK_D": 128}, "reduce")
+sig = {"K_new": "*bf16", "V_new": "*bf16", "K_cache": "*bf16", "V_cache": "*bf16", "slots": "*i64",
+       "s_new_t": "i32", "s_new_v": "i32", "s_cache_t": "i32", **consts(["ROW", "BLOCK"])}
+build(tp._write_slots_kernel, sig, {"ROW": 1024, "BLOCK": 1024}, "write-slots")
