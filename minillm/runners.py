@@ -32,7 +32,21 @@ def _right_pad(seqs: list[list[int]], device) -> tuple[torch.Tensor, list[int]]:
     return ids, lengths
 
 
-class NaiveRunner:
+class _Runner:
+    """Single-sequence calls are batch calls of one."""
+
+    @torch.inference_mode()
+    def prefill(self, ids: list[int]) -> torch.Tensor:
+        """Run the prompt; return the logits (vocab,) for the token after it."""
+        return self.prefill_batch([ids])[0]
+
+    @torch.inference_mode()
+    def decode(self, token: int) -> torch.Tensor:
+        """Append one token; return the logits (vocab,) for the next one."""
+        return self.decode_batch([token])[0]
+
+
+class NaiveRunner(_Runner):
     """Stage 1: no cache. Each call runs the model on every token so far."""
 
     name = "naive"
@@ -44,16 +58,6 @@ class NaiveRunner:
     @property
     def ids(self) -> list[int]:
         return self.seqs[0]
-
-    @torch.inference_mode()
-    def prefill(self, ids: list[int]) -> torch.Tensor:
-        """Run the prompt; return the logits (vocab,) for the token after it."""
-        return self.prefill_batch([ids])[0]
-
-    @torch.inference_mode()
-    def decode(self, token: int) -> torch.Tensor:
-        """Append one token; return the logits (vocab,) for the next one."""
-        return self.decode_batch([token])[0]
 
     @torch.inference_mode()
     def prefill_batch(self, seqs: list[list[int]]) -> torch.Tensor:
@@ -72,7 +76,7 @@ class NaiveRunner:
         return logits[torch.arange(len(lengths)), torch.tensor(lengths) - 1]    # (B, vocab)
 
 
-class KVCacheRunner:
+class KVCacheRunner(_Runner):
     """Stage 2: keys and values of past tokens are kept; a decode step runs one token."""
 
     name = "kv"
@@ -81,14 +85,6 @@ class KVCacheRunner:
         self.model, self.attn_fn = model, attn_fn
         self.max_len = min(max_len or model.cfg.max_seq_len, model.cfg.max_seq_len)
         self.cache: KVCache | None = None
-
-    @torch.inference_mode()
-    def prefill(self, ids: list[int]) -> torch.Tensor:
-        return self.prefill_batch([ids])[0]
-
-    @torch.inference_mode()
-    def decode(self, token: int) -> torch.Tensor:
-        return self.decode_batch([token])[0]
 
     @torch.inference_mode()
     def prefill_batch(self, seqs: list[list[int]]) -> torch.Tensor:
@@ -163,7 +159,7 @@ class _PagedCache:
         return r.pool.k[layer], r.pool.v[layer]                      # (num_blocks, block_size, n_kv, hd)
 
 
-class PagedRunner:
+class PagedRunner(_Runner):
     """Stage 4: K/V in a pool of fixed-size blocks, allocated as sequences grow (`kv/paged.py`);
     attention reads them through block tables (Triton kernels, `attention/triton_paged.py`)."""
 
@@ -202,14 +198,6 @@ class PagedRunner:
 
     def _forward(self, ids: torch.Tensor, positions: torch.Tensor) -> torch.Tensor:
         return self.model(ids, positions, _PagedCache(self), None, attn_fn=self._attention)
-
-    @torch.inference_mode()
-    def prefill(self, ids: list[int]) -> torch.Tensor:
-        return self.prefill_batch([ids])[0]
-
-    @torch.inference_mode()
-    def decode(self, token: int) -> torch.Tensor:
-        return self.decode_batch([token])[0]
 
     @torch.inference_mode()
     def prefill_batch(self, seqs: list[list[int]]) -> torch.Tensor:

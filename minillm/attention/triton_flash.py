@@ -34,6 +34,22 @@ LOG2E = 1.4426950408889634  # exp(x) = exp2(x * log2(e)): exp2 is the GPU's nati
 
 
 @triton.jit
+def _online_softmax_step(s, v, m_i, l_i, acc, IEEE: tl.constexpr):
+    """One tile of the online softmax. s: (rows, BLOCK_N) scores in log2 units, masked ones -inf;
+    v: (BLOCK_N, D). Returns the running max, sum and unnormalized output after this tile."""
+    m_new = tl.maximum(m_i, tl.max(s, 1))
+    m_safe = tl.where(m_new == float("-inf"), 0.0, m_new)               # a row that sees nothing yet
+    p = tl.math.exp2(s - m_safe[:, None])
+    alpha = tl.math.exp2(m_i - m_safe)                                   # rescale what came before
+    l_i = l_i * alpha + tl.sum(p, 1)
+    if IEEE:
+        acc = acc * alpha[:, None] + tl.dot(p, v, input_precision="ieee")
+    else:
+        acc = acc * alpha[:, None] + tl.dot(p.to(v.dtype), v)
+    return m_new, l_i, acc
+
+
+@triton.jit
 def _flash_fwd_kernel(
     Q, K, V, O, cu_q, cu_k, scale_log2, block_table, s_bt,
     sq_t, sq_h, sk_t, sk_h, sv_t, sv_h, so_t, so_h,       # strides (the last dim is contiguous)
@@ -85,16 +101,7 @@ def _flash_fwd_kernel(
         if CAUSAL:
             visible = visible & (cols[None, :] <= offs_m[:, None] + offset)
         s = tl.where(visible, s, float("-inf"))
-        m_new = tl.maximum(m_i, tl.max(s, 1))
-        m_safe = tl.where(m_new == float("-inf"), 0.0, m_new)               # a row that sees nothing yet
-        p = tl.math.exp2(s - m_safe[:, None])
-        alpha = tl.math.exp2(m_i - m_safe)                                   # rescale what came before
-        l_i = l_i * alpha + tl.sum(p, 1)
-        if IEEE:
-            acc = acc * alpha[:, None] + tl.dot(p, v, input_precision="ieee")
-        else:
-            acc = acc * alpha[:, None] + tl.dot(p.to(v.dtype), v)
-        m_i = m_new
+        m_i, l_i, acc = _online_softmax_step(s, v, m_i, l_i, acc, IEEE)
     out = acc / tl.where(l_i > 0, l_i, 1.0)[:, None]                        # a query with no keys: acc = 0
     # Write the O tile once: BLOCK_M x D x e bytes.
     tl.store(O + (q_start + offs_m)[:, None] * so_t + head * so_h + offs_d[None, :],
@@ -142,16 +149,7 @@ def _decode_split_kernel(
         else:
             s = tl.dot(q, tl.trans(k)) * scale_log2
         s = tl.where(cols[None, :] < hi, s, float("-inf"))
-        m_new = tl.maximum(m_i, tl.max(s, 1))
-        m_safe = tl.where(m_new == float("-inf"), 0.0, m_new)
-        p = tl.math.exp2(s - m_safe[:, None])
-        alpha = tl.math.exp2(m_i - m_safe)
-        l_i = l_i * alpha + tl.sum(p, 1)
-        if IEEE:
-            acc = acc * alpha[:, None] + tl.dot(p, v, input_precision="ieee")
-        else:
-            acc = acc * alpha[:, None] + tl.dot(p.to(v.dtype), v)
-        m_i = m_new
+        m_i, l_i, acc = _online_softmax_step(s, v, m_i, l_i, acc, IEEE)
     # Write this slice's normalized output and its log-sum-exp (log2 units): GROUP x (D + 1) x 4 bytes.
     l_safe = tl.where(l_i > 0, l_i, 1.0)                                     # an empty slice: acc = 0
     out = acc / l_safe[:, None]
