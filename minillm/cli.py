@@ -1,4 +1,4 @@
-"""`python -m minillm generate | chat | bench`.
+"""`python -m minillm generate | chat | bench | course`.
 
 Bad input (unknown stage, missing model, invalid sampling values, a prompt longer
 than the context) ends the command with one line on stderr that says what to
@@ -57,6 +57,10 @@ def build_parser() -> argparse.ArgumentParser:
     c.add_argument("--system", default=None, help="a system message")
     _add_model_args(c)
     _add_sampling_args(c, max_tokens=256)
+
+    co = sub.add_parser("course", help="open the course notebooks in JupyterLab")
+    co.add_argument("--port", type=int, default=None)
+    co.add_argument("--dry-run", action="store_true", help="print the command instead of running it")
 
     b = sub.add_parser("bench", help="prefill and decode speed of stages on a fixed prompt set")
     b.add_argument("--stages", default="naive", help="comma-separated stages, measured alternately")
@@ -184,6 +188,25 @@ def cmd_bench(args) -> None:
     print(json.dumps(report, indent=None if args.json else 2))
 
 
+def cmd_course(args) -> None:
+    """JupyterLab on notebooks/ (as root, as on course machines, jupyter wants --allow-root)."""
+    import os
+    from pathlib import Path
+
+    notebooks = Path(__file__).resolve().parent.parent / "notebooks"
+    if not notebooks.is_dir():
+        _fail(f"no notebooks/ beside the package at {notebooks.parent}; install from a clone: pip install -e .")
+    cmd = [sys.executable, "-m", "jupyter", "lab", str(notebooks)]
+    if hasattr(os, "geteuid") and os.geteuid() == 0:
+        cmd.append("--allow-root")
+    if args.port:
+        cmd.append(f"--port={args.port}")
+    if args.dry_run:
+        print(" ".join(cmd))
+        return
+    os.execv(sys.executable, cmd)
+
+
 def main(argv=None) -> None:
     import os
 
@@ -194,7 +217,7 @@ def main(argv=None) -> None:
 
     args = build_parser().parse_args(argv)
     try:
-        {"generate": cmd_generate, "chat": cmd_chat, "bench": cmd_bench}[args.command](args)
+        {"generate": cmd_generate, "chat": cmd_chat, "bench": cmd_bench, "course": cmd_course}[args.command](args)
     except (ValueError, ModelNotFoundError) as e:
         _fail(str(e))
     except BrokenPipeError:

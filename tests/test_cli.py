@@ -75,3 +75,9 @@ def test_bench_with_transformers_peer(tmp_path):
     kv, peer = json.loads(r.stdout)["results"]
     assert peer["stage"] == "transformers" and peer["decode_tokens_per_s"] > 0
     assert kv["same_tokens_as_transformers"] is True
+
+
+def test_course_opens_the_notebooks_in_jupyterlab():
+    r = run("course", "--dry-run")
+    assert r.returncode == 0, r.stderr
+    assert " -m jupyter lab " in r.stdout and r.stdout.strip().split()[4].endswith("notebooks")
