@@ -38,6 +38,11 @@ class Generation:
         return self.prompt_tokens / self.ttft_s if self.ttft_s > 0 else 0.0
 
 
+def first_stop(text: str, stops) -> int:
+    """Where the earliest stop string starts in text, or -1."""
+    return min((i for i in (text.find(s) for s in stops) if i >= 0), default=-1)
+
+
 def check_prompt(prompt_ids: list[int], max_seq_len: int) -> None:
     if not prompt_ids:
         raise ValueError("the prompt is empty: give at least one token")
@@ -78,7 +83,7 @@ def stream(model, tokenizer, prompt_ids: list[int], params: SamplingParams | Non
             break
         out.token_ids.append(token)
         text += decoder.push(token)
-        cut = min((i for i in (text.find(s) for s in params.stop) if i >= 0), default=-1)
+        cut = first_stop(text, params.stop)
         if cut >= 0:
             text, out.finish_reason = text[:cut], "stop"
             break
@@ -140,7 +145,7 @@ def generate_batch(model, tokenizer, prompts: list[list[int]], params: SamplingP
         logits = runner.decode_batch(tokens)
     for out in outs:
         out.text = tokenizer.decode(out.token_ids)
-        cut = min((i for i in (out.text.find(s) for s in params.stop) if i >= 0), default=-1)
+        cut = first_stop(out.text, params.stop)
         if cut >= 0:
             out.text, out.finish_reason = out.text[:cut], "stop"
     return outs

@@ -47,12 +47,6 @@ def byte_to_unicode() -> dict[int, str]:
     return table
 
 
-def token_bytes(token: str) -> bytes:
-    """Undo the byte -> printable mapping of one vocabulary string."""
-    inverse = {c: b for b, c in byte_to_unicode().items()}
-    return bytes(inverse[c] for c in token)
-
-
 class Tokenizer:
     """encode / decode / chat template for a byte-level BPE vocabulary."""
 
