@@ -117,12 +117,16 @@ class Transformer(nn.Module):
         return self.tok_emb.weight.dtype
 
     def forward(self, ids: torch.Tensor, positions: torch.Tensor | None = None, cache=None,
-                mask: torch.Tensor | None = None, attn_fn=None) -> torch.Tensor:
+                mask: torch.Tensor | None = None, attn_fn=None,
+                logit_indices: torch.Tensor | None = None) -> torch.Tensor:
         """ids: (B, T) -> logits (B, T, vocab).
 
         positions: (T,) or (B, T) absolute positions, for RoPE (default 0 .. T-1).
         cache: a KV cache (stage 2+) that stores this call's keys/values and returns all of them.
         mask: (B, 1, T, S) bool, True where a query may attend a key (default: causal).
+        logit_indices: (M,) positions along T whose logits are wanted -> logits (B, M, vocab).
+            A prefill chunk needs only its last token's; the output head is the biggest
+            matrix of the model (49,152 x 576 here), so skipping the other rows matters.
         """
         attn_fn = attn_fn or self.attn_fn
         B, T = ids.shape
@@ -134,6 +138,8 @@ class Transformer(nn.Module):
         x = self.tok_emb(ids)                                                      # (B, T, d)
         for i, block in enumerate(self.layers):
             x = block(x, cos, sin, attn_fn, mask, cache, i)
+        if logit_indices is not None:
+            x = x[:, logit_indices]                                                # (B, M, d)
         x = self.norm(x)
         w_out = self.tok_emb.weight if self.cfg.tie_embeddings else self.lm_head.weight
         return F.linear(x, w_out).float()                                         # (B, T, vocab)

@@ -86,6 +86,12 @@ class BlockPool:
 
     def append_slots(self, seq: int, n: int = 1) -> torch.Tensor:
         """Grow `seq` by n tokens; returns the physical slots (n,) the new K/V must be written to."""
+        length = self.lengths.get(seq, 0)
+        self.grow(seq, n)
+        return self.slots(seq, length, length + n)
+
+    def grow(self, seq: int, n: int = 1) -> None:
+        """`append_slots` without computing the slots (an engine computes them for a whole batch)."""
         if seq not in self.tables:
             raise KeyError(f"unknown sequence {seq}")
         need = self._new_blocks_needed(seq, n)
@@ -101,7 +107,6 @@ class BlockPool:
         while len(table) < self.blocks_for(length + n):
             table.append(self._take())
         self.lengths[seq] = length + n
-        return self.slots(seq, length, length + n)
 
     def fork(self, parent: int, child: int) -> None:
         """`child` shares every block of `parent` (no copy, no new block)."""
