@@ -1,0 +1,120 @@
+"""Paged attention in plain PyTorch: the serving engine's attention on a CPU.
+
+The contract is `flash_attn_varlen(..., block_table=...)`'s: the new tokens of several
+requests packed into one sequence of queries, each request's keys and values in pages of
+the pool, found through its block table. On a GPU the Triton kernel reads the pages in
+place. Here, at native CPU speed, a request's pages are first gathered into a contiguous
+tensor (one copy of its K/V) and handed to `F.scaled_dot_product_attention`:
+
+    decodes (one query each)       gathered together, padded to the longest, one SDPA call
+                                   with a mask that hides each row's padding; requests of very
+                                   different lengths go in separate groups (padding a 100-token
+                                   request to 1,500 would copy and read 15x its keys)
+    prefill chunks (many queries)  one SDPA call each, causal, bottom-right aligned
+                                   (the chunk's queries are the last of its keys)
+
+Which requests are which, and what to gather, is the same in every layer: `plan_paged_attention`
+works it out once per step, and `paged_attention` runs it 30 times.
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+import torch.nn.functional as F
+
+from .sdpa import sdpa_attention
+
+
+PADDING_SLACK = 1.25   # a decode group pads to its longest member: at most 25% more keys than it has
+
+
+@dataclass(slots=True)
+class DecodeGroup:
+    rows: torch.Tensor                    # (n,) query rows of these decodes
+    pages: torch.Tensor                   # (n * W,) their pages, each padded to W with page 0
+    mask: torch.Tensor                    # (n, 1, 1, W * block_size): key j exists for row i
+    offset: int                           # first page of this group in the gather workspace
+
+
+@dataclass(slots=True)
+class PagedPlan:
+    groups: list[DecodeGroup]
+    chunks: list[tuple[int, int, torch.Tensor, int]]   # (first query row, queries, pages, keys)
+    num_pages: int                        # pages the decode groups gather, in all
+    workspace: tuple | None = None        # (K, V) flat gather buffers, reused by every layer
+
+
+def plan_paged_attention(q_lens: list[int], k_lens: list[int], tables: list[list[int]],
+                         block_size: int, device) -> PagedPlan:
+    """q_lens[i] new queries of request i attend to its first k_lens[i] keys, stored in pages tables[i]."""
+    starts = [0]
+    for n in q_lens:
+        starts.append(starts[-1] + n)
+    need = [-(-k // block_size) for k in k_lens]                                      # pages per request
+    dec = sorted((i for i, n in enumerate(q_lens) if n == 1), key=lambda i: -need[i])
+    buckets, current, total = [], [], 0
+    for i in dec:                           # longest first; a new group when padding would pass the slack
+        if current and need[current[0]] * (len(current) + 1) > PADDING_SLACK * (total + need[i]):
+            buckets.append(current)
+            current, total = [], 0
+        current.append(i)
+        total += need[i]
+    if current:
+        buckets.append(current)
+    groups, offset = [], 0
+    for b in buckets:
+        width = need[b[0]]
+        pages = [p for i in b for p in tables[i][:width] + [0] * (width - need[i])]
+        lens = torch.tensor([k_lens[i] for i in b], device=device)
+        mask = (torch.arange(width * block_size, device=device) < lens[:, None])[:, None, None, :]
+        groups.append(DecodeGroup(torch.tensor([starts[i] for i in b], device=device),
+                                  torch.tensor(pages, device=device), mask, offset))
+        offset += len(pages)
+    chunks = [(starts[i], q_lens[i], torch.tensor(tables[i][:need[i]], device=device), k_lens[i])
+              for i, n in enumerate(q_lens) if n > 1]
+    return PagedPlan(groups, chunks, offset)
+
+
+def gather_pages(cache: torch.Tensor, pages: torch.Tensor, rows: int, out: torch.Tensor | None = None) -> torch.Tensor:
+    """cache (num_blocks, block_size, H_kv, D), pages (rows * W,) -> (rows, H_kv, W * block_size, D).
+
+    One copy of the pages (index_select moves whole pages). With `out` (a slice of a workspace) the
+    copy lands in memory reused from layer to layer and step to step: a fresh 10 MB tensor every
+    layer would cost its page faults every time."""
+    shape = (pages.numel(), *cache.shape[1:])
+    if out is None:
+        x = cache.index_select(0, pages)                               # (rows * W, bs, H_kv, D)
+    else:
+        x = torch.index_select(cache, 0, pages, out=out.view(shape))
+    x = x.view(rows, -1, *cache.shape[2:])                             # (rows, W * bs, H_kv, D)
+    return x.transpose(1, 2)                                           # (rows, H_kv, W * bs, D)
+
+
+def workspace_for(plan: PagedPlan, cache: torch.Tensor, workspace: torch.Tensor | None) -> torch.Tensor:
+    """A flat buffer big enough for this step's decode gathers (the old one if it is)."""
+    need = plan.num_pages * cache[0].numel()
+    if workspace is None or workspace.numel() < need or workspace.dtype != cache.dtype:
+        workspace = cache.new_empty(int(need * 1.25) + 1)              # room to grow a little
+    return workspace
+
+
+def paged_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, plan: PagedPlan) -> torch.Tensor:
+    """q (N, H, D) packed queries; k_cache, v_cache (num_blocks, block_size, H_kv, D) -> (N, H, D)."""
+    out = torch.empty_like(q)
+    page = k_cache[0].numel()
+    for g in plan.groups:
+        n = g.rows.numel()
+        span = slice(g.offset * page, (g.offset + g.pages.numel()) * page)
+        kw, vw = (None, None) if plan.workspace is None else (w[span] for w in plan.workspace)
+        qd = q[g.rows][:, :, None]                                          # (n, H, 1, D)
+        kd = gather_pages(k_cache, g.pages, n, kw)                          # (n, H_kv, S, D)
+        vd = gather_pages(v_cache, g.pages, n, vw)
+        od = F.scaled_dot_product_attention(qd, kd, vd, attn_mask=g.mask, enable_gqa=True)
+        out[g.rows] = od[:, :, 0]
+    for start, n, pages, k_len in plan.chunks:
+        qc = q[start:start + n].transpose(0, 1)[None]                       # (1, H, n, D)
+        kc = gather_pages(k_cache, pages, 1)[:, :, :k_len]                  # (1, H_kv, k_len, D)
+        vc = gather_pages(v_cache, pages, 1)[:, :, :k_len]
+        out[start:start + n] = sdpa_attention(qc, kc, vc)[0].transpose(0, 1)  # causal, bottom-right
+    return out
