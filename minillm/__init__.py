@@ -6,6 +6,7 @@
 """
 from __future__ import annotations
 
+import logging
 from pathlib import Path
 
 import torch
@@ -16,7 +17,7 @@ from .sampling import SamplingParams
 from .tokenizer import Tokenizer
 from .weights import ModelNotFoundError, find_model, load_state
 
-__all__ = ["ModelConfig", "ModelNotFoundError", "SamplingParams", "Tokenizer", "Transformer",
+__all__ = ["LLM", "ModelConfig", "ModelNotFoundError", "SamplingParams", "Tokenizer", "Transformer",
            "find_model", "load_model", "load_tokenizer"]
 
 
@@ -36,3 +37,20 @@ def load_tokenizer(path: str | Path | None = None) -> Tokenizer:
         raise ValueError(f"{path} is a Hugging Face folder; minillm reads tokenizers from GGUF files only. "
                          "Use your model's tokenizer (e.g. transformers.AutoTokenizer) for its ids.")
     return Tokenizer.from_gguf(path)
+
+
+def _default_logging() -> None:
+    """The engine reports what it sets up (KV cache size, tokens that fit) at INFO level on stderr,
+    unless the application configured logging itself."""
+    log = logging.getLogger("minillm")
+    if not log.handlers and not logging.getLogger().handlers:
+        handler = logging.StreamHandler()
+        handler.setFormatter(logging.Formatter("minillm: %(message)s"))
+        log.addHandler(handler)
+        log.setLevel(logging.INFO)
+        log.propagate = False
+
+
+_default_logging()
+
+from .engine import LLM  # noqa: E402  (the engine uses load_model and load_tokenizer above)

@@ -1,4 +1,4 @@
-"""Timing helpers for notebooks and benchmarks: medians, never single runs."""
+"""Timing helpers for notebooks and benchmarks: medians, never single runs; latency percentiles."""
 from __future__ import annotations
 
 import statistics
@@ -25,6 +25,24 @@ def median_time(fn, repeats: int = 5, warmup: int = 1, device=None) -> float:
         sync(device)
         times.append(time.perf_counter() - t0)
     return statistics.median(times)
+
+
+def percentile(values, q: float) -> float | None:
+    """The q-th percentile (0..100) of values, linearly interpolated (numpy's default); None if empty."""
+    values = sorted(v for v in values if v is not None)
+    if not values:
+        return None
+    pos = (len(values) - 1) * q / 100
+    lo = int(pos)
+    hi = min(lo + 1, len(values) - 1)
+    return values[lo] + (values[hi] - values[lo]) * (pos - lo)
+
+
+def summarize(values) -> dict:
+    """{"mean", "p50", "p90", "p99"} of latencies, as serving benchmarks report them (None if empty)."""
+    values = [v for v in values if v is not None]
+    mean = sum(values) / len(values) if values else None
+    return {"mean": mean, "p50": percentile(values, 50), "p90": percentile(values, 90), "p99": percentile(values, 99)}
 
 
 def _rss_peak_kib() -> int:

@@ -1,0 +1,105 @@
+"""LLM: the engine for a script or a notebook: give it prompts, get the answers back in order.
+
+    llm = minillm.LLM()                                   # the course model; or a path, or a loaded model
+    outs = llm.generate(["The capital of France is", "1, 2, 3,"], SamplingParams(max_tokens=16))
+    outs = llm.chat([{"role": "user", "content": "Hi!"}])
+
+All prompts go into one `LLMEngine` at once, which batches them continuously.
+"""
+from __future__ import annotations
+
+from pathlib import Path
+from typing import Iterator
+
+from tqdm import tqdm
+
+from ..sampling import SamplingParams
+from .llm_engine import LLMEngine
+from .request import RequestMetrics, RequestOutput
+
+
+class LLM:
+    def __init__(self, model=None, tokenizer=None, **engine_options):
+        """model: None (the course model), a .gguf path or Hugging Face folder, or a loaded Transformer.
+        engine_options: LLMEngine's (max_num_seqs, max_num_batched_tokens, kv_cache_memory, policy, ...)."""
+        from .. import load_model, load_tokenizer
+
+        if model is None or isinstance(model, (str, Path)):
+            tokenizer = tokenizer or load_tokenizer(model)
+            model = load_model(model)
+        self.model, self.tokenizer = model, tokenizer or load_tokenizer()
+        self.engine = LLMEngine(self.model, self.tokenizer, **engine_options)
+        self._counter = 0
+
+    def _next_id(self) -> str:
+        self._counter += 1
+        return f"llm-{self._counter}"
+
+    def generate(self, prompts, params: SamplingParams | list[SamplingParams] | None = None,
+                 use_tqdm: bool = True) -> list[RequestOutput]:
+        """prompts: a string, a list of token ids, or a list of either. One SamplingParams for all,
+        or one per prompt. Returns one finished RequestOutput per prompt, in input order; a prompt
+        the engine refuses comes back with finish_reason "error" and the reason, the others run."""
+        if isinstance(prompts, str) or (isinstance(prompts, list) and prompts and isinstance(prompts[0], int)):
+            prompts = [prompts]
+        prompts = list(prompts)
+        if params is None or isinstance(params, SamplingParams):
+            params = [params or SamplingParams()] * len(prompts)
+        if len(params) != len(prompts):
+            raise ValueError(f"got {len(params)} SamplingParams for {len(prompts)} prompts; give one, or one per prompt")
+        results: dict[str, RequestOutput] = {}
+        order = []
+        for prompt, p in zip(prompts, params):
+            rid = self._next_id()
+            order.append(rid)
+            ids = self.tokenizer.encode(prompt) if isinstance(prompt, str) else prompt
+            try:
+                self.engine.add_request(rid, ids, p)
+            except ValueError as e:
+                results[rid] = _refused(rid, ids, str(e))
+        bar = tqdm(total=len(prompts), desc="generate", unit="req", disable=None if use_tqdm else True)
+        bar.update(len(results))
+        while self.engine.has_unfinished_requests():
+            for out in self.engine.step():
+                if out.finished and out.request_id in order:
+                    results[out.request_id] = out
+                    bar.update(1)
+        bar.close()
+        return [results[rid] for rid in order]
+
+    def chat(self, conversations, params=None, use_tqdm: bool = True) -> list[RequestOutput]:
+        """conversations: one conversation (a list of {"role", "content"} messages) or a list of them."""
+        if conversations and isinstance(conversations[0], dict):
+            conversations = [conversations]
+        prompts = []
+        for conv in conversations:
+            try:
+                prompts.append(self.tokenizer.apply_chat_template(conv))
+            except ValueError as e:
+                prompts.append(e)
+        outs = self.generate([p if isinstance(p, list) else [] for p in prompts], params, use_tqdm)
+        for i, p in enumerate(prompts):
+            if isinstance(p, ValueError):
+                outs[i] = _refused(outs[i].request_id, [], str(p))
+        return outs
+
+    def stream(self, prompt_ids: list[int], params: SamplingParams | None = None) -> Iterator[RequestOutput]:
+        """One request, yielding its RequestOutput after every new token (text grows; the last is finished)."""
+        rid = self._next_id()
+        self.engine.add_request(rid, prompt_ids, params)
+        try:
+            while True:
+                for out in self.engine.step():
+                    if out.request_id == rid:
+                        yield out
+                        if out.finished:
+                            return
+        finally:
+            self.engine.abort_request(rid)
+
+
+def _refused(rid: str, ids, message: str) -> RequestOutput:
+    ids = ids if isinstance(ids, list) else []
+    metrics = RequestMetrics(None, None, [], None, None)
+    return RequestOutput(rid, ids, [], "", True, "error", metrics, error=message)
+

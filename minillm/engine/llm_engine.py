@@ -1,0 +1,202 @@
+"""LLMEngine: requests in, tokens out, one step at a time.
+
+    engine = LLMEngine(model, tokenizer, max_num_seqs=64, max_num_batched_tokens=512)
+    engine.add_request("a", prompt_ids, SamplingParams(max_tokens=64))
+    while engine.has_unfinished_requests():
+        for out in engine.step():          # a RequestOutput for each request that got a token or ended
+            print(out.request_id, out.text)
+
+A step is: the scheduler picks tokens to compute (scheduler.py), the runner computes them
+in one forward pass (runner.py), and each request that reached its last token samples the
+next one with its own parameters and random stream. One block pool, owned here, lives as
+long as the engine.
+"""
+from __future__ import annotations
+
+import logging
+import time
+
+import torch
+
+from ..generate import first_stop
+from ..kv import BlockPool, kv_cache_bytes
+from ..sampling import SamplingParams, sample_next_token
+from .request import Request, RequestMetrics, RequestOutput
+from .runner import ModelRunner
+from .scheduler import ScheduledBatch, Scheduler
+
+logger = logging.getLogger("minillm")
+
+DEFAULT_KV_CACHE_MEMORY = 1 << 30   # bytes: 1 GiB, 23,301 tokens of SmolLM2 in float32
+
+
+class LLMEngine:
+    def __init__(self, model, tokenizer, *, max_num_seqs: int = 64, max_num_batched_tokens: int = 512,
+                 block_size: int = 16, num_blocks: int | None = None, kv_cache_memory: int | None = None,
+                 policy: str = "continuous", enable_chunked_prefill: bool = True,
+                 max_model_len: int | None = None, attention: str = "auto", verbose: bool = True):
+        cfg = model.cfg
+        self.model, self.tokenizer = model, tokenizer
+        self.max_model_len = min(max_model_len or cfg.max_seq_len, cfg.max_seq_len)
+        if not enable_chunked_prefill and max_num_batched_tokens < self.max_model_len:
+            raise ValueError(f"without chunked prefill a whole prompt must fit one step: max_num_batched_tokens "
+                             f"({max_num_batched_tokens}) must be >= max_model_len ({self.max_model_len}); "
+                             f"raise it, lower max_model_len, or enable chunked prefill")
+        if block_size < 1:
+            raise ValueError(f"block_size must be >= 1; got {block_size}")
+        block_bytes = kv_cache_bytes(cfg, block_size, model.dtype)
+        if num_blocks is None:
+            num_blocks = (DEFAULT_KV_CACHE_MEMORY if kv_cache_memory is None else kv_cache_memory) // block_bytes
+        if num_blocks < 1:
+            raise ValueError(f"the KV cache holds no block: one block of {block_size} tokens takes {block_bytes} "
+                             f"bytes; give kv_cache_memory >= {block_bytes} or num_blocks >= 1")
+        self.pool = BlockPool(cfg, num_blocks, block_size, model.dtype, model.device)
+        self.scheduler = Scheduler(self.pool, max_num_seqs, max_num_batched_tokens, policy, enable_chunked_prefill)
+        self.runner = ModelRunner(model, self.pool, attention)
+        self.capacity_tokens = num_blocks * block_size
+        self.max_len = min(self.max_model_len, self.capacity_tokens)   # longest request that can ever run
+        self.requests: dict[str, Request] = {}
+        self._aborted: list[Request] = []
+        self.tokens_last_step = 0
+        self.num_steps = 0
+        say = logger.info if verbose else logger.debug
+        say("KV cache: %d blocks x %d tokens = %d tokens (%.0f MiB, %s); %s batching, %d tokens and %d sequences "
+            "per step", num_blocks, block_size, self.capacity_tokens, num_blocks * block_bytes / 2**20,
+            str(model.dtype).removeprefix("torch."), policy, max_num_batched_tokens, max_num_seqs)
+
+    # ------------------------------------------------------------ requests in
+    def add_request(self, request_id, prompt_ids, params: SamplingParams | None = None,
+                    arrival_time: float | None = None) -> None:
+        """Queue a request. Bad input raises ValueError for this request alone; nothing else changes."""
+        params = SamplingParams() if params is None else params
+        if not isinstance(params, SamplingParams):
+            raise ValueError(f"params must be a SamplingParams; got {type(params).__name__}")
+        if request_id in self.requests:
+            raise ValueError(f"request id {request_id!r} is already in use by an unfinished request")
+        prompt = self._check_prompt(prompt_ids)
+        req = Request(request_id, prompt, params)
+        if arrival_time is not None:
+            req.arrival_time = arrival_time
+        req.decoder = self.tokenizer.stream_decoder()
+        self.requests[request_id] = req
+        self.scheduler.add(req)
+
+    def _check_prompt(self, prompt_ids) -> list[int]:
+        if isinstance(prompt_ids, str):
+            raise ValueError("prompt_ids must be token ids, not text: tokenize it first (tokenizer.encode)")
+        try:
+            prompt = [int(t) for t in prompt_ids]
+        except (TypeError, ValueError):
+            raise ValueError("prompt_ids must be a list of integer token ids") from None
+        vocab = self.model.cfg.vocab_size
+        if not prompt:
+            raise ValueError("the prompt is empty: give at least one token")
+        if min(prompt) < 0 or max(prompt) >= vocab:
+            raise ValueError(f"token ids must be in [0, {vocab}); got {min(prompt)}..{max(prompt)}")
+        if len(prompt) >= self.max_model_len:
+            raise ValueError(f"the prompt has {len(prompt)} tokens but the context is {self.max_model_len}; "
+                             f"shorten it to at most {self.max_model_len - 1} tokens")
+        if len(prompt) >= self.capacity_tokens:
+            raise ValueError(f"the prompt has {len(prompt)} tokens but the whole KV cache holds "
+                             f"{self.capacity_tokens}; shorten it or give the engine more kv_cache_memory")
+        return prompt
+
+    def abort_request(self, request_id) -> bool:
+        """Stop a request now; its blocks go back to the pool at once. False if it is unknown or done."""
+        req = self.requests.get(request_id)
+        if req is None or req.finished:
+            return False
+        self.scheduler.finish(req)
+        req.finish("abort")
+        self._aborted.append(req)
+        return True
+
+    def has_unfinished_requests(self) -> bool:
+        return self.scheduler.has_unfinished()
+
+    # ------------------------------------------------------------ one step
+    def step(self) -> list[RequestOutput]:
+        """Schedule, run one forward pass, sample. Returns an output for every request that got a
+        token or finished in this step (aborted requests are reported at the next step)."""
+        return self._execute(self.scheduler.schedule())
+
+    def _execute(self, batch: ScheduledBatch) -> list[RequestOutput]:
+        outputs = [self._output(r) for r in self._aborted]
+        self._aborted = []
+        self.tokens_last_step = batch.total_tokens
+        if not batch.requests:
+            return self._forget(outputs)
+        logits = self.runner.execute(batch)                                  # (M, vocab)
+        now = time.perf_counter()
+        self.num_steps += 1
+        done = []
+        for req, n in zip(batch.requests, batch.num_new_tokens):
+            req.num_computed_tokens += n
+            if req.num_computed_tokens == req.num_tokens:
+                done.append(req)
+        for req, token in zip(done, self._sample(logits, done)):
+            if token is not None:
+                self._append(req, token, now)
+            if req.finished:
+                self.scheduler.finish(req)
+            outputs.append(self._output(req))
+        return self._forget(outputs)
+
+    def _sample(self, logits: torch.Tensor, reqs: list[Request]) -> list[int | None]:
+        """Greedy rows in one argmax; sampled rows each with their own parameters and generator.
+        A row that fails (say, NaN logits) ends its request with finish_reason "error"; the rest go on."""
+        tokens: list[int | None] = [None] * len(reqs)
+        greedy = [i for i, r in enumerate(reqs) if r.params.greedy]
+        if greedy:
+            for i, t in zip(greedy, logits[greedy].argmax(dim=-1).tolist()):
+                tokens[i] = t
+        for i, r in enumerate(reqs):
+            if not r.params.greedy:
+                try:
+                    tokens[i] = int(sample_next_token(logits[i:i + 1], r.params, r.generator)[0])
+                except RuntimeError as e:
+                    r.error = f"sampling failed: {e}"
+                    r.finish("error")
+        return tokens
+
+    def _append(self, req: Request, token: int, now: float) -> None:
+        """Record a sampled token; finish the request on a stop token, a stop string, or its length."""
+        p = req.params
+        req.token_times.append(now)
+        if not p.ignore_eos and token in self.tokenizer.stop_ids:
+            req.text += req.decoder.flush()
+            req.finish("stop", now)
+            return
+        req.output_token_ids.append(token)
+        before = len(req.text)
+        req.text += req.decoder.push(token)
+        if p.stop:
+            longest = max(map(len, p.stop))
+            cut = first_stop(req.text[max(0, before - longest + 1):], p.stop)
+            if cut >= 0:
+                req.text = req.text[:max(0, before - longest + 1) + cut]
+                req.finish("stop", now)
+                return
+        if len(req.output_token_ids) >= p.max_tokens or req.num_tokens >= self.max_len:
+            req.text += req.decoder.flush()
+            req.finish("length", now)
+
+    def _output(self, req: Request) -> RequestOutput:
+        text = req.text
+        if not req.finished and req.params.stop:   # hold back what could be the start of a stop string
+            text = text[:max(0, len(text) - max(map(len, req.params.stop)) + 1)]
+        return RequestOutput(req.request_id, req.prompt_token_ids, list(req.output_token_ids), text, req.finished,
+                             req.finish_reason, RequestMetrics.of(req), req.num_preemptions, req.error)
+
+    def _forget(self, outputs: list[RequestOutput]) -> list[RequestOutput]:
+        for o in outputs:
+            if o.finished:
+                self.requests.pop(o.request_id, None)
+        return outputs
+
+    # ------------------------------------------------------------ state
+    def stats(self) -> dict:
+        s, pool = self.scheduler, self.pool
+        return {"running": len(s.running), "waiting": len(s.waiting), "num_preemptions": s.num_preemptions,
+                "kv_blocks_used": pool.num_blocks - pool.num_free_blocks, "kv_blocks_total": pool.num_blocks,
+                "tokens_last_step": self.tokens_last_step, "num_steps": self.num_steps}

@@ -1,0 +1,125 @@
+"""A request's whole state, and what the engine reports about it.
+
+There are no "prefill" and "decode" phases here, only tokens still to compute:
+
+    all tokens   = prompt + output so far
+    computed     = num_computed_tokens: how many of them have K/V in the pool
+    to compute   = all tokens - computed
+
+A new request has its whole prompt to compute; a running one has 1 (the token it
+just sampled); a request in chunked prefill has the rest of its prompt; a preempted
+one has lost its K/V and must compute prompt + output again. The scheduler only
+ever asks "how many tokens to compute?", so one rule covers all of them.
+"""
+from __future__ import annotations
+
+import enum
+import time
+from dataclasses import dataclass, field
+
+import torch
+
+from ..sampling import SamplingParams, make_generator
+
+
+class Status(enum.Enum):
+    WAITING = "waiting"     # in the queue: new, or preempted and to be recomputed
+    RUNNING = "running"     # holds blocks in the pool; scheduled every step it fits
+    FINISHED = "finished"   # see finish_reason
+
+
+FINISH_REASONS = ("stop", "length", "abort", "error")
+
+
+@dataclass(slots=True)
+class Request:
+    request_id: str
+    prompt_token_ids: list[int]
+    params: SamplingParams
+    arrival_time: float = field(default_factory=time.perf_counter)
+    status: Status = Status.WAITING
+    finish_reason: str | None = None
+    error: str | None = None                    # what went wrong, for finish_reason "error"
+    output_token_ids: list[int] = field(default_factory=list)
+    num_computed_tokens: int = 0
+    text: str = ""                              # decoded output (a stop string cut off at the end)
+    # monotonic timestamps (time.perf_counter): arrival, first scheduled, each new token, finish
+    first_scheduled_time: float | None = None
+    token_times: list[float] = field(default_factory=list)
+    finish_time: float | None = None
+    num_preemptions: int = 0
+    generator: torch.Generator | None = None    # its own random stream: same seed, same tokens in any batch
+    decoder: object = None                      # the tokenizer's StreamDecoder for this request
+
+    def __post_init__(self):
+        if not self.params.greedy:
+            self.generator = make_generator(self.params.seed)
+
+    @property
+    def all_token_ids(self) -> list[int]:
+        return self.prompt_token_ids + self.output_token_ids
+
+    def token_slice(self, start: int, end: int) -> list[int]:
+        """all_token_ids[start:end] without building the whole list (a decode needs one token)."""
+        P = len(self.prompt_token_ids)
+        if start >= P:
+            return self.output_token_ids[start - P:end - P]
+        return (self.prompt_token_ids + self.output_token_ids)[start:end]
+
+    @property
+    def num_tokens(self) -> int:
+        return len(self.prompt_token_ids) + len(self.output_token_ids)
+
+    @property
+    def num_tokens_to_compute(self) -> int:
+        return self.num_tokens - self.num_computed_tokens
+
+    @property
+    def finished(self) -> bool:
+        return self.status is Status.FINISHED
+
+    def finish(self, reason: str, now: float | None = None) -> None:
+        assert reason in FINISH_REASONS, reason
+        self.status, self.finish_reason = Status.FINISHED, reason
+        self.finish_time = time.perf_counter() if now is None else now
+
+
+@dataclass(slots=True)
+class RequestMetrics:
+    """vLLM's definitions, in seconds:
+
+    queue_s   arrival -> first scheduled
+    ttft_s    arrival -> first token (time to first token)
+    itl_s     gaps between consecutive tokens (inter-token latencies)
+    tpot_s    (e2e - ttft) / (tokens - 1): time per output token after the first
+    e2e_s     arrival -> finish (end to end)
+    """
+    queue_s: float | None
+    ttft_s: float | None
+    itl_s: list[float]
+    tpot_s: float | None
+    e2e_s: float | None
+
+    @classmethod
+    def of(cls, r: Request) -> "RequestMetrics":
+        t = r.token_times
+        queue = None if r.first_scheduled_time is None else r.first_scheduled_time - r.arrival_time
+        ttft = t[0] - r.arrival_time if t else None
+        e2e = None if r.finish_time is None else r.finish_time - r.arrival_time
+        tpot = (e2e - ttft) / (len(t) - 1) if e2e is not None and ttft is not None and len(t) > 1 else None
+        return cls(queue, ttft, [b - a for a, b in zip(t, t[1:])], tpot, e2e)
+
+
+@dataclass(slots=True)
+class RequestOutput:
+    """What a request has produced so far: `token_ids` and `text` hold everything generated
+    (text never ends in half a character or in the start of a stop string)."""
+    request_id: str
+    prompt_token_ids: list[int]
+    token_ids: list[int]
+    text: str
+    finished: bool
+    finish_reason: str | None
+    metrics: RequestMetrics
+    num_preemptions: int = 0
+    error: str | None = None

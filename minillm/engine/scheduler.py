@@ -1,0 +1,156 @@
+"""The scheduler: which requests compute how many tokens in the next step.
+
+Every step hands out a token budget (`max_num_batched_tokens`) and a sequence cap
+(`max_num_seqs`):
+
+1. Running requests first, oldest admission first. A decode costs one token; a
+   request still in its prompt gets the next chunk of it (chunked prefill), as much
+   as the budget has left. Prefill chunks and decodes of different requests share the
+   step: a long prompt no longer stalls everyone else's next token.
+2. If a running request needs a block and the pool has none, the most recently
+   admitted running request is **preempted**: its blocks are freed, it goes back to the
+   front of the queue, and later it recomputes prompt + output so far (its output does
+   not change). Nothing new is admitted in that step.
+3. Then waiting requests, in arrival order (first come, first served: when the head of
+   the queue does not fit, nobody behind it jumps ahead), each admitted only if the
+   blocks for its tokens of this step fit in the pool.
+
+`policy="static"` is the baseline: admit a whole batch (up to `max_num_seqs` whose
+tokens fit the pool) when nothing is running, run it until its last request ends, and
+only then admit the next. The slots of finished requests stay empty meanwhile: the
+*bubble* that continuous batching fills.
+"""
+from __future__ import annotations
+
+import time
+from collections import deque
+from dataclasses import dataclass, field
+
+from ..kv import BlockPool
+from .request import Request, Status
+
+POLICIES = ("continuous", "static")
+
+
+@dataclass(slots=True)
+class ScheduledBatch:
+    """One step's work: requests[i] computes num_new_tokens[i] tokens, starting at its
+    num_computed_tokens (the scheduler has already made room for them in the pool)."""
+    requests: list[Request] = field(default_factory=list)
+    num_new_tokens: list[int] = field(default_factory=list)
+    preempted: list[Request] = field(default_factory=list)
+
+    @property
+    def total_tokens(self) -> int:
+        return sum(self.num_new_tokens)
+
+    def add(self, req: Request, n: int) -> None:
+        self.requests.append(req)
+        self.num_new_tokens.append(n)
+
+
+class Scheduler:
+    def __init__(self, pool: BlockPool, max_num_seqs: int = 64, max_num_batched_tokens: int = 512,
+                 policy: str = "continuous", enable_chunked_prefill: bool = True):
+        if policy not in POLICIES:
+            raise ValueError(f"policy must be one of {POLICIES}; got {policy!r}")
+        if max_num_seqs < 1 or max_num_batched_tokens < 1:
+            raise ValueError(f"max_num_seqs and max_num_batched_tokens must be >= 1; "
+                             f"got {max_num_seqs}, {max_num_batched_tokens}")
+        self.pool, self.policy = pool, policy
+        self.max_num_seqs, self.max_num_batched_tokens = max_num_seqs, max_num_batched_tokens
+        self.chunked = enable_chunked_prefill
+        self.waiting: deque[Request] = deque()
+        self.running: list[Request] = []        # in order of admission
+        self.num_preemptions = 0
+
+    # ------------------------------------------------------------ queue changes
+    def add(self, req: Request) -> None:
+        self.waiting.append(req)
+
+    def finish(self, req: Request) -> None:
+        """Take a request out of the queues and give back its blocks (finished or aborted)."""
+        if req in self.running:
+            self.running.remove(req)
+            self.pool.free_seq(req.request_id)
+        elif req in self.waiting:
+            self.waiting.remove(req)
+
+    def has_unfinished(self) -> bool:
+        return bool(self.waiting or self.running)
+
+    # ------------------------------------------------------------ one step
+    def schedule(self) -> ScheduledBatch:
+        batch = ScheduledBatch()
+        budget = self.max_num_batched_tokens
+        if self.policy == "static" and not self.running:
+            self._admit_static_batch()
+        i = 0
+        while i < len(self.running) and budget > 0:
+            req = self.running[i]
+            n = self._tokens_for(req, budget)
+            if n == 0:
+                i += 1
+                continue
+            while not self.pool.can_append(req.request_id, n):
+                victim = self.running.pop()                  # the most recently admitted
+                self._preempt(victim)
+                batch.preempted.append(victim)
+                if victim is req:
+                    break
+            else:
+                self._start(req, n, batch)
+                budget -= n
+                i += 1
+                continue
+            break                                            # req itself was preempted: nobody after it runs
+        if self.policy == "continuous" and not batch.preempted:
+            while self.waiting and budget > 0 and len(self.running) < self.max_num_seqs:
+                req = self.waiting[0]
+                n = self._tokens_for(req, budget)
+                if n == 0 or not self.pool.can_admit(n):
+                    break                                    # first come, first served: no overtaking
+                self.waiting.popleft()
+                self.pool.allocate(req.request_id, 0)
+                req.status = Status.RUNNING
+                self.running.append(req)
+                self._start(req, n, batch)
+                budget -= n
+        return batch
+
+    # ------------------------------------------------------------ helpers
+    def _tokens_for(self, req: Request, budget: int) -> int:
+        """Tokens `req` computes this step: all it has left, or (chunked prefill) what the budget allows.
+        Without chunking a prompt goes whole or waits for a step with room for it."""
+        n = req.num_tokens_to_compute
+        if n <= budget:
+            return n
+        return budget if self.chunked else 0
+
+    def _start(self, req: Request, n: int, batch: ScheduledBatch) -> None:
+        self.pool.grow(req.request_id, n)                    # room for the n new tokens' K/V
+        if req.first_scheduled_time is None:
+            req.first_scheduled_time = time.perf_counter()
+        batch.add(req, n)
+
+    def _preempt(self, req: Request) -> None:
+        """Free the blocks; recompute prompt + output later. The output so far is kept."""
+        self.pool.free_seq(req.request_id)
+        req.status, req.num_computed_tokens = Status.WAITING, 0
+        req.num_preemptions += 1
+        self.num_preemptions += 1
+        self.waiting.appendleft(req)
+
+    def _admit_static_batch(self) -> None:
+        """Static batching: take up to max_num_seqs requests from the queue whose whole
+        prompts (and outputs so far) fit in the free blocks; they run until the last ends."""
+        free = self.pool.num_free_blocks
+        while self.waiting and len(self.running) < self.max_num_seqs:
+            need = self.pool.blocks_for(self.waiting[0].num_tokens)
+            if need > free and self.running:
+                break
+            free -= need
+            req = self.waiting.popleft()
+            self.pool.allocate(req.request_id, 0)
+            req.status = Status.RUNNING
+            self.running.append(req)

@@ -1,0 +1,169 @@
+"""The scheduler's bookkeeping under random traffic (hypothesis), with a cheap fake model.
+
+The fake model's next token is a fixed function of the tokens so far, so every request's
+right output is known in advance. It also checks the pool: each step it reads every request's
+earlier tokens back through its block table (the K of slot s holds token + 1), and writes the
+new ones. After every step: the token and sequence budgets hold, no block is leaked or shared,
+emitted tokens never change (preemption recomputes the same ones), admission is first come,
+first served (preempted requests wait in front of new ones); at the end every request has finished and the pool is whole again.
+"""
+from types import SimpleNamespace
+
+import torch
+from hypothesis import event, settings
+from hypothesis import strategies as st
+from hypothesis.stateful import RuleBasedStateMachine, initialize, invariant, precondition, rule
+
+from minillm.config import ModelConfig
+from minillm.engine import LLMEngine
+from minillm.engine.request import Status
+from minillm.sampling import SamplingParams
+
+TINY = ModelConfig(n_layers=1, d_model=8, n_heads=1, n_kv_heads=1, head_dim=2, ffn_dim=8, vocab_size=64,
+                   max_seq_len=4096)
+
+
+def next_token(tokens: list[int]) -> int:
+    return (sum(tokens) * 7 + len(tokens)) % 60 + 2
+
+
+def expected_output(prompt: list[int], n: int) -> list[int]:
+    toks = list(prompt)
+    for _ in range(n):
+        toks.append(next_token(toks))
+    return toks[len(prompt):]
+
+
+class FakeRunner:
+    """Stands in for ModelRunner: checks what the pool holds, writes markers, returns logits."""
+
+    def __init__(self, pool):
+        self.pool = pool
+
+    def execute(self, batch):
+        k = self.pool.k[0].view(-1)                                  # (slots * n_kv * hd,), n_kv * hd = 2
+        rows = []
+        for req, n in zip(batch.requests, batch.num_new_tokens):
+            start, toks = req.num_computed_tokens, req.all_token_ids
+            assert 1 <= n and start + n <= req.num_tokens
+            assert self.pool.lengths[req.request_id] == start + n, "blocks for the step were not reserved"
+            if start:
+                old = self.pool.slots(req.request_id, 0, start)
+                assert k[old * 2].tolist() == [t + 1.0 for t in toks[:start]], "the pool lost a request's K/V"
+            new = self.pool.slots(req.request_id, start, start + n)
+            k[new * 2] = torch.tensor([t + 1.0 for t in toks[start:start + n]])
+            if start + n == req.num_tokens:
+                logits = torch.zeros(TINY.vocab_size)
+                logits[next_token(toks)] = 1.0
+                rows.append(logits)
+        return torch.stack(rows) if rows else torch.zeros(0, TINY.vocab_size)
+
+
+class EngineMachine(RuleBasedStateMachine):
+    @initialize(num_blocks=st.integers(3, 24), block_size=st.sampled_from([1, 2, 4]), budget=st.integers(1, 40),
+                max_seqs=st.integers(1, 6), policy=st.sampled_from(["continuous", "static"]),
+                chunked=st.booleans())
+    def start(self, num_blocks, block_size, budget, max_seqs, policy, chunked):
+        model = SimpleNamespace(cfg=TINY, dtype=torch.float32, device=torch.device("cpu"))
+        opts = dict(num_blocks=num_blocks, block_size=block_size, max_num_batched_tokens=budget, verbose=False,
+                    max_num_seqs=max_seqs, policy=policy, enable_chunked_prefill=chunked)
+        if not chunked:
+            opts["max_model_len"] = budget
+        self.engine = LLMEngine(model, self.tokenizer, **opts)
+        self.engine.runner = FakeRunner(self.engine.pool)
+        self.budget, self.max_seqs = budget, max_seqs
+        self.next_id = 0
+        self.expected: dict[int, list[int]] = {}    # accepted request -> its whole right output
+        self.emitted: dict[int, list[int]] = {}     # what the engine said so far
+        self.finished: dict[int, str] = {}
+        self.admitted: set[int] = set()            # left the queue at least once
+
+    tokenizer = None   # set in the test function (the real one: tokens below 64 decode fine)
+
+    @rule(prompt=st.lists(st.integers(2, 63), min_size=1, max_size=30), max_tokens=st.integers(1, 10))
+    def add(self, prompt, max_tokens):
+        rid, self.next_id = self.next_id, self.next_id + 1
+        e = self.engine
+        try:
+            e.add_request(rid, prompt, SamplingParams(max_tokens=max_tokens, ignore_eos=True))
+        except ValueError:
+            assert len(prompt) >= e.max_len, "a prompt that fits was refused"
+            return
+        n = min(max_tokens, e.max_len - len(prompt))
+        self.expected[rid] = expected_output(prompt, n)
+
+    @rule()
+    def step(self):
+        self._step()
+
+    @precondition(lambda self: self.expected.keys() - self.finished.keys())
+    @rule(data=st.data())
+    def abort(self, data):
+        rid = data.draw(st.sampled_from(sorted(self.expected.keys() - self.finished.keys())))
+        assert self.engine.abort_request(rid)
+        self.finished[rid] = "abort"
+
+    def _step(self):
+        e = self.engine
+        never_admitted = [r.request_id for r in e.scheduler.waiting if r.request_id not in self.admitted]
+        outs = e.step()
+        s = e.stats()
+        assert s["tokens_last_step"] <= self.budget and s["running"] <= self.max_seqs
+        still_waiting = {r.request_id for r in e.scheduler.waiting}
+        now = [rid for rid in never_admitted if rid not in still_waiting]
+        assert now == never_admitted[:len(now)], "a request was admitted before one that arrived earlier"
+        self.admitted.update(now)
+        for o in outs:
+            before = self.emitted.get(o.request_id, [])
+            assert o.token_ids[:len(before)] == before, "emitted tokens changed"
+            self.emitted[o.request_id] = o.token_ids
+            if o.finished:
+                if o.finish_reason != "abort":
+                    assert o.token_ids == self.expected[o.request_id] and o.finish_reason == "length"
+                self.finished[o.request_id] = o.finish_reason
+        for rid, toks in self.emitted.items():
+            assert toks == self.expected[rid][:len(toks)], "a wrong token was emitted"
+
+    @invariant()
+    def pool_is_consistent(self):
+        e = getattr(self, "engine", None)
+        if e is None:
+            return
+        pool, sched = e.pool, e.scheduler
+        held = {r.request_id for r in sched.running}
+        assert set(pool.tables) == held, "blocks held by a request that is not running"
+        assert all(r.status is Status.WAITING for r in sched.waiting)
+        blocks = [b for t in pool.tables.values() for b in t]
+        assert len(blocks) == len(set(blocks)), "a block belongs to two requests"
+        assert len(set(pool.free)) == len(pool.free) and not set(pool.free) & set(blocks), "a block freed twice"
+        assert len(blocks) + pool.num_free_blocks == pool.num_blocks, "a block leaked"
+
+    @invariant()
+    def preempted_requests_wait_in_front(self):
+        e = getattr(self, "engine", None)
+        if e is None:
+            return
+        seen_new = False
+        for r in e.scheduler.waiting:
+            seen_new = seen_new or r.request_id not in self.admitted
+            assert not (seen_new and r.request_id in self.admitted), "a preempted request queued behind a new one"
+
+    def teardown(self):
+        e = getattr(self, "engine", None)
+        if e is None:
+            return
+        for _ in range(5000):
+            if not e.has_unfinished_requests():
+                break
+            self._step()
+        assert not e.has_unfinished_requests(), "some request never finished"
+        event(f"preempted: {e.stats()['num_preemptions'] > 0}")
+        event(f"aborted: {'abort' in self.finished.values()}")
+        assert set(self.finished) == set(self.expected)
+        assert e.pool.num_free_blocks == e.pool.num_blocks and not e.pool.tables
+
+
+def test_engine_bookkeeping_under_random_traffic(tokenizer):
+    EngineMachine.tokenizer = tokenizer
+    EngineMachine.TestCase.settings = settings(max_examples=200, stateful_step_count=50, deadline=None)
+    EngineMachine.TestCase().runTest()
