@@ -24,10 +24,10 @@ def _fail(msg: str) -> None:
 
 
 def _add_model_args(p):
-    from .generate import STAGES
+    from .generate import ALL_STAGES
 
     p.add_argument("--model", default=None, help="a .gguf file or Hugging Face folder (default: the course model)")
-    p.add_argument("--stage", default="naive", choices=list(STAGES), help="which engine stage generates")
+    p.add_argument("--stage", default="naive", choices=ALL_STAGES, help="which engine stage generates")
     p.add_argument("--threads", type=int, default=None, help="torch CPU threads (default: torch's choice)")
     p.add_argument("--device", default=None, help="cpu or cuda (default: cuda when there is one)")
 
@@ -62,14 +62,29 @@ def build_parser() -> argparse.ArgumentParser:
     co.add_argument("--port", type=int, default=None)
     co.add_argument("--dry-run", action="store_true", help="print the command instead of running it")
 
-    b = sub.add_parser("bench", help="prefill and decode speed of stages on a fixed prompt set")
-    b.add_argument("--stages", default="naive", help="comma-separated stages, measured alternately")
-    b.add_argument("--max-tokens", type=int, default=64)
-    b.add_argument("--prompt-file", default=None, help=".jsonl ({'prompt', 'chat'}) or .txt (one per line)")
-    b.add_argument("--repeats", type=int, default=1)
+    b = sub.add_parser("bench", help="stages: prefill and decode speed per stage on a prompt set; "
+                                     "serve: requests arriving over time through the serving engine")
+    b.add_argument("mode", nargs="?", choices=["stages", "serve"], default="stages",
+                   help="stages (default) or serve")
     b.add_argument("--peer", choices=["transformers"], default=None,
                    help="also measure Hugging Face transformers on the same GGUF, in the same run")
     b.add_argument("--json", action="store_true", help="print only the JSON (default: JSON plus a table)")
+    st = b.add_argument_group("bench stages")
+    st.add_argument("--stages", default="naive", help="comma-separated stages, measured alternately")
+    st.add_argument("--max-tokens", type=int, default=64)
+    st.add_argument("--prompt-file", default=None, help=".jsonl ({'prompt', 'chat'}) or .txt (one per line)")
+    st.add_argument("--repeats", type=int, default=1)
+    sv = b.add_argument_group("bench serve")
+    sv.add_argument("--num-requests", type=int, default=128)
+    sv.add_argument("--request-rate", type=float, default=float("inf"),
+                    help="Poisson arrivals per second (default inf: all at once)")
+    sv.add_argument("--max-concurrency", type=int, default=64, help="requests in flight at most (and batch size)")
+    sv.add_argument("--workload", default=None, help="a .jsonl trace with prompt_tokens and output_tokens per line "
+                                                     "(default: data/request_trace.jsonl)")
+    sv.add_argument("--length-scale", type=float, default=0.6, help="multiply the trace's lengths (default 0.6)")
+    sv.add_argument("--systems", default="continuous,static", help="engine policies to run (continuous,static)")
+    sv.add_argument("--max-num-batched-tokens", type=int, default=512, help="the engine's token budget per step")
+    sv.add_argument("--timeout", type=float, default=1800.0, help="seconds per system before giving up")
     b.add_argument("--model", default=None)
     b.add_argument("--threads", type=int, default=None)
     b.add_argument("--device", default=None)
@@ -164,12 +179,14 @@ def cmd_chat(args) -> None:
 
 def cmd_bench(args) -> None:
     from .bench import load_prompts, load_transformers_peer, run_bench
-    from .generate import STAGES
+    from .generate import ALL_STAGES
 
+    if args.mode == "serve":
+        return cmd_bench_serve(args)
     stages = [s.strip() for s in args.stages.split(",") if s.strip()]
-    unknown = [s for s in stages if s not in STAGES]
+    unknown = [s for s in stages if s not in ALL_STAGES]
     if not stages or unknown:
-        _fail(f"unknown stage(s) {unknown or args.stages!r}; choose from: {', '.join(STAGES)}")
+        _fail(f"unknown stage(s) {unknown or args.stages!r}; choose from: {', '.join(ALL_STAGES)}")
     if args.max_tokens < 2 or args.repeats < 1:
         _fail("--max-tokens must be >= 2 and --repeats >= 1")
     prompts = load_prompts(args.prompt_file)
@@ -186,6 +203,45 @@ def cmd_bench(args) -> None:
               f"({report['weight_bytes'] / 1e6:.0f} MB of weights at {report['copy_bytes_per_s'] / 1e9:.1f} GB/s copy)",
               file=sys.stderr)
     print(json.dumps(report, indent=None if args.json else 2))
+
+
+def cmd_bench_serve(args) -> None:
+    from .bench import load_transformers_peer, machine_info
+    from .bench_serve import load_workload, run_serve_bench
+
+    systems = [s.strip() for s in args.systems.split(",") if s.strip()]
+    if not systems or any(s not in ("continuous", "static") for s in systems):
+        _fail(f"--systems takes continuous and/or static; got {args.systems!r} (add transformers with --peer)")
+    if args.max_concurrency < 1 or args.max_num_batched_tokens < 1 or args.timeout <= 0:
+        _fail("--max-concurrency and --max-num-batched-tokens must be >= 1 and --timeout > 0")
+    items = load_workload(args.workload, args.num_requests, args.length_scale, request_rate=args.request_rate)
+    args.stage = "continuous"
+    model, tok, _ = _load(args)
+    hf = None
+    if args.peer == "transformers":
+        hf = load_transformers_peer(args.model)
+        systems.append("transformers")
+
+    def show(r):
+        if not args.json:
+            print(f"{r['system']:<13} {r['completed']:>5} {r['output_tokens_per_s']:>8.1f} "
+                  f"{r['ttft_s']['p50'] or 0:>9.2f} {r['ttft_s']['p99'] or 0:>7.2f} {r['itl_s']['p50'] or 0:>8.3f} "
+                  f"{r['itl_s']['p99'] or 0:>7.3f} {r['e2e_s']['p50'] or 0:>8.2f}", file=sys.stderr, flush=True)
+
+    if not args.json:
+        print(f"{'system':<13} {'done':>5} {'tok/s':>8} {'TTFT p50':>9} {'p99':>7} {'ITL p50':>8} {'p99':>7} "
+              f"{'e2e p50':>8}  (seconds)", file=sys.stderr, flush=True)
+    results, _ = run_serve_bench(model, tok, items, systems, hf_model=hf, max_concurrency=args.max_concurrency,
+                                 engine_options={"max_num_batched_tokens": args.max_num_batched_tokens},
+                                 timeout_s=args.timeout, on_result=show)
+    workload = {"file": args.workload or "data/request_trace.jsonl", "num_requests": len(items),
+                "request_rate": args.request_rate if args.request_rate != float("inf") else "inf",
+                "max_concurrency": args.max_concurrency, "length_scale": args.length_scale,
+                "mean_prompt_tokens": sum(len(w.prompt_ids) for w in items) / len(items),
+                "mean_output_tokens": sum(w.output_len for w in items) / len(items),
+                "max_output_tokens": max(w.output_len for w in items),
+                "max_num_batched_tokens": args.max_num_batched_tokens}
+    print(json.dumps({"machine": machine_info(), "workload": workload, "results": results}))
 
 
 def cmd_course(args) -> None:

