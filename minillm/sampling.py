@@ -93,10 +93,13 @@ def filtered_probs(logits: torch.Tensor, params: SamplingParams) -> torch.Tensor
 
 def sample_next_token(logits: torch.Tensor, params: SamplingParams,
                       generator: torch.Generator | None = None) -> torch.Tensor:
-    """logits: (B, vocab) -> token ids (B,)."""
+    """logits: (B, vocab) -> token ids (B,). The draw happens where the generator lives, so a
+    seed gives the same tokens whether the logits are on a CPU or a GPU."""
     if params.greedy:
         return logits.argmax(dim=-1)
     probs = filtered_probs(logits, params)
+    if generator is not None and generator.device != probs.device:
+        return torch.multinomial(probs.to(generator.device), 1, generator=generator).squeeze(-1).to(logits.device)
     return torch.multinomial(probs, 1, generator=generator).squeeze(-1)
 
 
