@@ -167,3 +167,20 @@ def test_engine_bookkeeping_under_random_traffic(tokenizer):
     EngineMachine.tokenizer = tokenizer
     EngineMachine.TestCase.settings = settings(max_examples=200, stateful_step_count=50, deadline=None)
     EngineMachine.TestCase().runTest()
+
+
+def test_simulate_shows_the_static_bubble():
+    from minillm.engine.simulate import predicted_seconds, simulate
+
+    prompts, outputs = [3, 3, 3, 3], [10, 2, 2, 2]
+    runs = {p: simulate(prompts, outputs, policy=p, max_num_seqs=2) for p in ("static", "continuous")}
+    for steps in runs.values():
+        served = {}
+        for s in steps:
+            for rid, n in s.tokens.items():
+                served[rid] = served.get(rid, 0) + n
+        assert served == {str(i): p + o - 1 for i, (p, o) in enumerate(zip(prompts, outputs))}
+    # static: request 0's batch lasts 10 steps, then the second batch 2; continuous overlaps them
+    assert len(runs["static"]) == 12 and len(runs["continuous"]) == 10
+    # priced: 4 steps of 2 or more tokens at 1.5 s, 8 single-token steps at 1 s
+    assert predicted_seconds(runs["static"], [1, 2], [1.0, 1.5]) == 4 * 1.5 + 8 * 1.0

@@ -4,13 +4,17 @@
 runner that computes nothing (every request simply gets its output length), and records
 every step: which requests it served and how many tokens each. Arrivals are counted in
 steps. It shows the shape of a schedule — the static bubble, chunked prompts, preemptions —
-and, with a cost per step measured on a machine, predicts how long the real run will take.
+and, with a cost per step measured on a machine (`decode_step_seconds`, `prefill_step_seconds`),
+predicts how long the real run will take (`predicted_seconds`).
 """
 from __future__ import annotations
 
+import statistics
+import time
 from dataclasses import dataclass
 from types import SimpleNamespace
 
+import numpy as np
 import torch
 
 from ..config import ModelConfig
@@ -71,3 +75,37 @@ def simulate(prompt_lens: list[int], output_lens: list[int], arrival_steps: list
         steps.append(SimStep({r.request_id: n for r, n in zip(batch.requests, batch.num_new_tokens)},
                              st["running"], st["waiting"], st["num_preemptions"] - preempted))
     return steps
+
+
+def decode_step_seconds(model, tokenizer, batch: int, context: int = 100, steps: int = 8) -> float:
+    """Median time of an engine step in which `batch` requests (prompts of `context` tokens) each decode one token."""
+    engine = LLMEngine(model, tokenizer, kv_cache_memory=256 << 20, verbose=False)
+    for i in range(batch):
+        engine.add_request(i, [1000 + i] * context, SamplingParams(max_tokens=steps + 4, ignore_eos=True))
+    while engine.stats()["tokens_last_step"] != batch:      # until every prompt is done
+        engine.step()
+    times = []
+    for _ in range(steps):
+        t0 = time.perf_counter()
+        engine.step()
+        times.append(time.perf_counter() - t0)
+    return statistics.median(times)
+
+
+def prefill_step_seconds(model, tokenizer, tokens: int, repeats: int = 3) -> float:
+    """Median time of an engine step that computes one prompt of `tokens` tokens (an empty cache)."""
+    times = []
+    for _ in range(repeats):
+        engine = LLMEngine(model, tokenizer, max_num_batched_tokens=max(512, tokens), kv_cache_memory=256 << 20,
+                           verbose=False)
+        engine.add_request(0, [1000 + i % 500 for i in range(tokens)], SamplingParams(max_tokens=1))
+        t0 = time.perf_counter()
+        engine.step()
+        times.append(time.perf_counter() - t0)
+    return statistics.median(times)
+
+
+def predicted_seconds(steps: list[SimStep], cost_tokens: list[int], cost_seconds: list[float]) -> float:
+    """A simulated schedule priced step by step: each step's time interpolated from measured
+    (tokens in a step, seconds) points."""
+    return sum(float(np.interp(sum(s.tokens.values()), cost_tokens, cost_seconds)) for s in steps)
