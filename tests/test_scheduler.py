@@ -2,10 +2,13 @@
 
 The fake model's next token is a fixed function of the tokens so far, so every request's
 right output is known in advance. It also checks the pool: each step it reads every request's
-earlier tokens back through its block table (the K of slot s holds token + 1), and writes the
-new ones. After every step: the token and sequence budgets hold, no block is leaked or shared,
-emitted tokens never change (preemption recomputes the same ones), admission is first come,
-first served (preempted requests wait in front of new ones); at the end every request has finished and the pool is whole again.
+earlier tokens back through its block table (the K of slot s holds value(token, position)), and
+writes the new ones. Prompts are drawn from a few shared prefixes, so the prefix cache hits,
+evicts and is shared. After every step: the token and sequence budgets hold, no block is leaked
+or both free and in use, reference counts equal holders, every block reachable by a content
+address holds exactly the K/V of the tokens that address names, emitted tokens never change
+(preemption recomputes the same ones), admission is first come, first served (preempted requests
+wait in front of new ones); at the end every request has finished and the pool is whole again.
 """
 from types import SimpleNamespace
 
@@ -17,10 +20,18 @@ from hypothesis.stateful import RuleBasedStateMachine, initialize, invariant, pr
 from minillm.config import ModelConfig
 from minillm.engine import LLMEngine
 from minillm.engine.request import Status
+from minillm.kv.prefix_cache import chain_hashes
 from minillm.sampling import SamplingParams
 
 TINY = ModelConfig(n_layers=1, d_model=8, n_heads=1, n_kv_heads=1, head_dim=2, ffn_dim=8, vocab_size=64,
                    max_seq_len=4096)
+
+
+PREFIXES = [[3, 5, 7, 9, 11, 13, 15, 17, 19, 21, 23, 25], [3, 5, 7, 9, 2, 4], [40, 41, 42, 43, 44, 45, 46, 47]]
+
+
+def value(token: int, position: int) -> float:
+    return float(token * 4096 + position + 1)
 
 
 def next_token(tokens: list[int]) -> int:
@@ -49,9 +60,10 @@ class FakeRunner:
             assert self.pool.lengths[req.request_id] == start + n, "blocks for the step were not reserved"
             if start:
                 old = self.pool.slots(req.request_id, 0, start)
-                assert k[old * 2].tolist() == [t + 1.0 for t in toks[:start]], "the pool lost a request's K/V"
+                assert k[old * 2].tolist() == [value(t, p) for p, t in enumerate(toks[:start])], \
+                    "the pool lost a request's K/V"
             new = self.pool.slots(req.request_id, start, start + n)
-            k[new * 2] = torch.tensor([t + 1.0 for t in toks[start:start + n]])
+            k[new * 2] = torch.tensor([value(t, start + i) for i, t in enumerate(toks[start:start + n])])
             if start + n == req.num_tokens:
                 logits = torch.zeros(TINY.vocab_size)
                 logits[next_token(toks)] = 1.0
@@ -62,11 +74,12 @@ class FakeRunner:
 class EngineMachine(RuleBasedStateMachine):
     @initialize(num_blocks=st.integers(3, 24), block_size=st.sampled_from([1, 2, 4]), budget=st.integers(1, 40),
                 max_seqs=st.integers(1, 6), policy=st.sampled_from(["continuous", "static"]),
-                chunked=st.booleans())
-    def start(self, num_blocks, block_size, budget, max_seqs, policy, chunked):
+                chunked=st.booleans(), caching=st.booleans())
+    def start(self, num_blocks, block_size, budget, max_seqs, policy, chunked, caching):
         model = SimpleNamespace(cfg=TINY, dtype=torch.float32, device=torch.device("cpu"))
         opts = dict(num_blocks=num_blocks, block_size=block_size, max_num_batched_tokens=budget, verbose=False,
-                    max_num_seqs=max_seqs, policy=policy, enable_chunked_prefill=chunked)
+                    max_num_seqs=max_seqs, policy=policy, enable_chunked_prefill=chunked,
+                    enable_prefix_caching=caching)
         if not chunked:
             opts["max_model_len"] = budget
         self.engine = LLMEngine(model, self.tokenizer, **opts)
@@ -77,11 +90,14 @@ class EngineMachine(RuleBasedStateMachine):
         self.emitted: dict[int, list[int]] = {}     # what the engine said so far
         self.finished: dict[int, str] = {}
         self.admitted: set[int] = set()            # left the queue at least once
+        self.names: dict[bytes, tuple[int, tuple]] = {}   # content address -> (first position, tokens)
 
     tokenizer = None   # set in the test function (the real one: tokens below 64 decode fine)
 
-    @rule(prompt=st.lists(st.integers(2, 63), min_size=1, max_size=30), max_tokens=st.integers(1, 10))
-    def add(self, prompt, max_tokens):
+    @rule(prefix=st.sampled_from(range(len(PREFIXES))), cut=st.integers(0, 12),
+          tail=st.lists(st.integers(2, 63), max_size=18), max_tokens=st.integers(1, 10))
+    def add(self, prefix, cut, tail, max_tokens):
+        prompt = PREFIXES[prefix][:cut] + tail or [2]
         rid, self.next_id = self.next_id, self.next_id + 1
         e = self.engine
         try:
@@ -106,6 +122,10 @@ class EngineMachine(RuleBasedStateMachine):
     def _step(self):
         e = self.engine
         never_admitted = [r.request_id for r in e.scheduler.waiting if r.request_id not in self.admitted]
+        for r in e.requests.values():       # what every address this step can register names
+            toks = r.all_token_ids
+            for j, h in enumerate(chain_hashes(toks, e.pool.block_size)):
+                self.names[h] = (j * e.pool.block_size, tuple(toks[j * e.pool.block_size:(j + 1) * e.pool.block_size]))
         outs = e.step()
         s = e.stats()
         assert s["tokens_last_step"] <= self.budget and s["running"] <= self.max_seqs
@@ -123,6 +143,12 @@ class EngineMachine(RuleBasedStateMachine):
                 self.finished[o.request_id] = o.finish_reason
         for rid, toks in self.emitted.items():
             assert toks == self.expected[rid][:len(toks)], "a wrong token was emitted"
+        bs = e.pool.block_size
+        k = e.pool.k[0].view(-1)
+        for address, block in getattr(e.pool, "cached", {}).items():
+            start, toks = self.names[address]
+            got = k[(block * bs + torch.arange(bs)) * 2].tolist()
+            assert got == [value(t, start + i) for i, t in enumerate(toks)], "a cached block holds other K/V"
 
     @invariant()
     def pool_is_consistent(self):
@@ -133,10 +159,16 @@ class EngineMachine(RuleBasedStateMachine):
         held = {r.request_id for r in sched.running}
         assert set(pool.tables) == held, "blocks held by a request that is not running"
         assert all(r.status is Status.WAITING for r in sched.waiting)
-        blocks = [b for t in pool.tables.values() for b in t]
-        assert len(blocks) == len(set(blocks)), "a block belongs to two requests"
-        assert len(set(pool.free)) == len(pool.free) and not set(pool.free) & set(blocks), "a block freed twice"
-        assert len(blocks) + pool.num_free_blocks == pool.num_blocks, "a block leaked"
+        holders = [0] * pool.num_blocks
+        for table in pool.tables.values():
+            for b in table:
+                holders[b] += 1
+        assert holders == pool.refcount, "reference counts differ from the number of holders"
+        used = {b for b, n in enumerate(holders) if n}
+        free, parked = set(pool.free), set(getattr(pool, "evictable", ()))
+        assert len(free) == len(pool.free) and not free & parked, "a block freed twice"
+        assert not (free | parked) & used, "a block is both free and in use"
+        assert len(used) + pool.num_free_blocks == pool.num_blocks, "a block leaked"
 
     @invariant()
     def preempted_requests_wait_in_front(self):

@@ -20,6 +20,7 @@ import torch
 
 from ..generate import first_stop
 from ..kv import BlockPool, kv_cache_bytes
+from ..kv.prefix_cache import PrefixCachingPool, chain_hashes
 from ..sampling import SamplingParams, sample_next_token
 from .request import Request, RequestMetrics, RequestOutput
 from .runner import ModelRunner
@@ -34,7 +35,8 @@ class LLMEngine:
     def __init__(self, model, tokenizer, *, max_num_seqs: int = 64, max_num_batched_tokens: int = 512,
                  block_size: int = 16, num_blocks: int | None = None, kv_cache_memory: int | None = None,
                  policy: str = "continuous", enable_chunked_prefill: bool = True,
-                 max_model_len: int | None = None, attention: str = "auto", verbose: bool = True):
+                 max_model_len: int | None = None, attention: str = "auto", enable_prefix_caching: bool = True,
+                 verbose: bool = True):
         cfg = model.cfg
         self.model, self.tokenizer = model, tokenizer
         self.max_model_len = min(max_model_len or cfg.max_seq_len, cfg.max_seq_len)
@@ -50,8 +52,11 @@ class LLMEngine:
         if num_blocks < 1:
             raise ValueError(f"the KV cache holds no block: one block of {block_size} tokens takes {block_bytes} "
                              f"bytes; give kv_cache_memory >= {block_bytes} or num_blocks >= 1")
-        self.pool = BlockPool(cfg, num_blocks, block_size, model.dtype, model.device)
-        self.scheduler = Scheduler(self.pool, max_num_seqs, max_num_batched_tokens, policy, enable_chunked_prefill)
+        pool_cls = PrefixCachingPool if enable_prefix_caching else BlockPool
+        self.pool = pool_cls(cfg, num_blocks, block_size, model.dtype, model.device)
+        self.prefix_caching = enable_prefix_caching
+        self.scheduler = Scheduler(self.pool, max_num_seqs, max_num_batched_tokens, policy, enable_chunked_prefill,
+                                   prefix_caching=enable_prefix_caching)
         self.runner = ModelRunner(model, self.pool, attention)
         self.capacity_tokens = num_blocks * block_size
         self.max_len = min(self.max_model_len, self.capacity_tokens)   # longest request that can ever run
@@ -61,13 +66,15 @@ class LLMEngine:
         self.num_steps = 0
         say = logger.info if verbose else logger.debug
         say("KV cache: %d blocks x %d tokens = %d tokens (%.0f MiB, %s); %s batching, %d tokens and %d sequences "
-            "per step", num_blocks, block_size, self.capacity_tokens, num_blocks * block_bytes / 2**20,
-            str(model.dtype).removeprefix("torch."), policy, max_num_batched_tokens, max_num_seqs)
+            "per step; prefix caching %s", num_blocks, block_size, self.capacity_tokens, num_blocks * block_bytes / 2**20,
+            str(model.dtype).removeprefix("torch."), policy, max_num_batched_tokens, max_num_seqs,
+            "on" if enable_prefix_caching else "off")
 
     # ------------------------------------------------------------ requests in
     def add_request(self, request_id, prompt_ids, params: SamplingParams | None = None,
-                    arrival_time: float | None = None) -> None:
-        """Queue a request. Bad input raises ValueError for this request alone; nothing else changes."""
+                    arrival_time: float | None = None, cache_salt: str | None = None) -> None:
+        """Queue a request. Bad input raises ValueError for this request alone; nothing else changes.
+        cache_salt: requests with different salts never share cached blocks (e.g. one per user)."""
         params = SamplingParams() if params is None else params
         if not isinstance(params, SamplingParams):
             raise ValueError(f"params must be a SamplingParams; got {type(params).__name__}")
@@ -78,6 +85,7 @@ class LLMEngine:
         if arrival_time is not None:
             req.arrival_time = arrival_time
         req.decoder = self.tokenizer.stream_decoder()
+        req.cache_salt = cache_salt
         self.requests[request_id] = req
         self.scheduler.add(req)
 
@@ -132,6 +140,7 @@ class LLMEngine:
         done = []
         for req, n in zip(batch.requests, batch.num_new_tokens):
             req.num_computed_tokens += n
+            self._register_full_blocks(req)
             if req.num_computed_tokens == req.num_tokens:
                 done.append(req)
         for req, token in zip(done, self._sample(logits, done)):
@@ -141,6 +150,22 @@ class LLMEngine:
                 self.scheduler.finish(req)
             outputs.append(self._output(req))
         return self._forget(outputs)
+
+    def _register_full_blocks(self, req: Request) -> None:
+        """Blocks that are now full of computed K/V become findable by content (prompt and answer alike,
+        so a chat's next turn finds its history)."""
+        if not self.prefix_caching:
+            return
+        bs = self.pool.block_size
+        full = req.num_computed_tokens // bs
+        if full <= req.num_hashed_blocks:
+            return
+        tokens = req.token_slice(0, full * bs)
+        req.block_hashes = chain_hashes(tokens, bs, req.cache_salt, req.block_hashes)
+        table = self.pool.tables[req.request_id]
+        for j in range(req.num_hashed_blocks, full):
+            self.pool.register(table[j], req.block_hashes[j], tokens[j * bs:(j + 1) * bs])
+        req.num_hashed_blocks = full
 
     def _sample(self, logits: torch.Tensor, reqs: list[Request]) -> list[int | None]:
         """Greedy rows in one argmax; sampled rows each with their own parameters and generator.
@@ -186,7 +211,8 @@ class LLMEngine:
         if not req.finished and req.params.stop:   # hold back what could be the start of a stop string
             text = text[:max(0, len(text) - max(map(len, req.params.stop)) + 1)]
         return RequestOutput(req.request_id, req.prompt_token_ids, list(req.output_token_ids), text, req.finished,
-                             req.finish_reason, RequestMetrics.of(req), req.num_preemptions, req.error)
+                             req.finish_reason, RequestMetrics.of(req), req.num_preemptions, req.error,
+                             req.num_cached_tokens)
 
     def _forget(self, outputs: list[RequestOutput]) -> list[RequestOutput]:
         for o in outputs:
@@ -199,4 +225,6 @@ class LLMEngine:
         s, pool = self.scheduler, self.pool
         return {"running": len(s.running), "waiting": len(s.waiting), "num_preemptions": s.num_preemptions,
                 "kv_blocks_used": pool.num_blocks - pool.num_free_blocks, "kv_blocks_total": pool.num_blocks,
-                "tokens_last_step": self.tokens_last_step, "num_steps": self.num_steps}
+                "tokens_last_step": self.tokens_last_step, "num_steps": self.num_steps,
+                "prefix_cache_queries": s.prefix_cache_queries, "prefix_cache_hits": s.prefix_cache_hits,
+                "prefix_cache_evictions": getattr(pool, "num_evictions", 0)}

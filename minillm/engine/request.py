@@ -50,6 +50,11 @@ class Request:
     num_preemptions: int = 0
     generator: torch.Generator | None = None    # its own random stream: same seed, same tokens in any batch
     decoder: object = None                      # the tokenizer's StreamDecoder for this request
+    # prefix caching (kv/prefix_cache.py)
+    cache_salt: str | None = None               # extra key in the first block's address: caches kept apart
+    block_hashes: list[bytes] = field(default_factory=list)   # content addresses of its full blocks so far
+    num_cached_tokens: int = 0                  # prompt tokens found in the cache at its (last) admission
+    num_hashed_blocks: int = 0                  # its first blocks that are registered in the cache
 
     def __post_init__(self):
         if not self.params.greedy:
@@ -123,3 +128,4 @@ class RequestOutput:
     metrics: RequestMetrics
     num_preemptions: int = 0
     error: str | None = None
+    num_cached_tokens: int = 0     # prompt tokens whose K/V came from the prefix cache

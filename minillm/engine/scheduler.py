@@ -15,6 +15,11 @@ Every step hands out a token budget (`max_num_batched_tokens`) and a sequence ca
    the queue does not fit, nobody behind it jumps ahead), each admitted only if the
    blocks for its tokens of this step fit in the pool.
 
+With prefix caching on (a `PrefixCachingPool`), admission first looks up the longest chain of the
+request's full blocks already in the cache, takes those blocks and counts their tokens as computed;
+only the rest is scheduled. At least the last prompt token is always computed (its logits are
+needed), and a cached block is never written: when every block hits, the last one is recomputed.
+
 `policy="static"` is the baseline: admit a whole batch (up to `max_num_seqs` whose
 tokens fit the pool) when nothing is running, run it until its last request ends, and
 only then admit the next. The slots of finished requests stay empty meanwhile: the
@@ -27,6 +32,7 @@ from collections import deque
 from dataclasses import dataclass, field
 
 from ..kv import BlockPool
+from ..kv.prefix_cache import chain_hashes
 from .request import Request, Status
 
 POLICIES = ("continuous", "static")
@@ -51,7 +57,7 @@ class ScheduledBatch:
 
 class Scheduler:
     def __init__(self, pool: BlockPool, max_num_seqs: int = 64, max_num_batched_tokens: int = 512,
-                 policy: str = "continuous", enable_chunked_prefill: bool = True):
+                 policy: str = "continuous", enable_chunked_prefill: bool = True, prefix_caching: bool = False):
         if policy not in POLICIES:
             raise ValueError(f"policy must be one of {POLICIES}; got {policy!r}")
         if max_num_seqs < 1 or max_num_batched_tokens < 1:
@@ -60,9 +66,11 @@ class Scheduler:
         self.pool, self.policy = pool, policy
         self.max_num_seqs, self.max_num_batched_tokens = max_num_seqs, max_num_batched_tokens
         self.chunked = enable_chunked_prefill
+        self.prefix_caching = prefix_caching
         self.waiting: deque[Request] = deque()
         self.running: list[Request] = []        # in order of admission
         self.num_preemptions = 0
+        self.prefix_cache_queries = self.prefix_cache_hits = 0     # tokens looked up / found
 
     # ------------------------------------------------------------ queue changes
     def add(self, req: Request) -> None:
@@ -107,22 +115,20 @@ class Scheduler:
         if self.policy == "continuous" and not batch.preempted:
             while self.waiting and budget > 0 and len(self.running) < self.max_num_seqs:
                 req = self.waiting[0]
-                n = self._tokens_for(req, budget)
-                if n == 0 or not self.pool.can_admit(n):
+                cached = self._cached_prefix(req)
+                n = self._tokens_for(req, budget, len(cached) * self.pool.block_size)
+                if n == 0 or self._blocks_to_admit(req, cached, n) > self.pool.num_free_blocks:
                     break                                    # first come, first served: no overtaking
-                self.waiting.popleft()
-                self.pool.allocate(req.request_id, 0)
-                req.status = Status.RUNNING
-                self.running.append(req)
+                self._admit(cached)
                 self._start(req, n, batch)
                 budget -= n
         return batch
 
     # ------------------------------------------------------------ helpers
-    def _tokens_for(self, req: Request, budget: int) -> int:
+    def _tokens_for(self, req: Request, budget: int, cached: int | None = None) -> int:
         """Tokens `req` computes this step: all it has left, or (chunked prefill) what the budget allows.
         Without chunking a prompt goes whole or waits for a step with room for it."""
-        n = req.num_tokens_to_compute
+        n = req.num_tokens_to_compute if cached is None else req.num_tokens - cached
         if n <= budget:
             return n
         return budget if self.chunked else 0
@@ -146,11 +152,41 @@ class Scheduler:
         prompts (and outputs so far) fit in the free blocks; they run until the last ends."""
         free = self.pool.num_free_blocks
         while self.waiting and len(self.running) < self.max_num_seqs:
-            need = self.pool.blocks_for(self.waiting[0].num_tokens)
+            req = self.waiting[0]
+            cached = self._cached_prefix(req)
+            need = self._blocks_to_admit(req, cached, req.num_tokens - len(cached) * self.pool.block_size)
             if need > free and self.running:
                 break
             free -= need
-            req = self.waiting.popleft()
-            self.pool.allocate(req.request_id, 0)
-            req.status = Status.RUNNING
-            self.running.append(req)
+            self._admit(cached)
+
+    def _admit(self, cached: list[int]) -> None:
+        """The head of the queue starts running, holding `cached` (its prefix found in the cache)."""
+        req = self.waiting.popleft()
+        self.pool.allocate(req.request_id, 0)
+        if cached:
+            self.pool.share(req.request_id, cached)
+        bs = self.pool.block_size
+        req.num_computed_tokens = req.num_cached_tokens = len(cached) * bs
+        req.num_hashed_blocks = len(cached)
+        if self.prefix_caching:
+            self.prefix_cache_queries += req.num_tokens
+            self.prefix_cache_hits += len(cached) * bs
+        req.status = Status.RUNNING
+        self.running.append(req)
+
+    def _cached_prefix(self, req: Request) -> list[int]:
+        """Blocks of the cache holding the longest prefix of req's tokens, at most all but the block
+        of its last token (that one is computed: its logits are needed, and cached blocks are never written)."""
+        if not self.prefix_caching:
+            return []
+        bs, tokens = self.pool.block_size, req.all_token_ids
+        usable = (len(tokens) - 1) // bs
+        req.block_hashes = chain_hashes(tokens[:usable * bs], bs, req.cache_salt, req.block_hashes)
+        return self.pool.lookup(req.block_hashes[:usable], tokens)
+
+    def _blocks_to_admit(self, req: Request, cached: list[int], n: int) -> int:
+        """Free blocks that admitting req with `cached` and computing n tokens takes."""
+        held = len(cached) * self.pool.block_size
+        new = self.pool.blocks_for(held + n) - len(cached)
+        return new + (self.pool.blocks_to_reuse(cached) if cached else 0)

@@ -57,6 +57,7 @@ def simulate(prompt_lens: list[int], output_lens: list[int], arrival_steps: list
     cfg = cfg or ModelConfig()
     model = SimpleNamespace(cfg=cfg, dtype=torch.float32, device=torch.device("cpu"))
     engine_options.setdefault("kv_cache_memory", 1 << 30)
+    engine_options.setdefault("enable_prefix_caching", False)      # the stand-in prompts are all alike
     engine = LLMEngine(model, _NullTokenizer(), verbose=False, **engine_options)
     engine.runner = _NullRunner(cfg.vocab_size)
     arrivals = arrival_steps or [0] * len(prompt_lens)
