@@ -59,29 +59,34 @@ class Replay:
     records: dict[str, Record]
     duration_s: float
     timeline: list[tuple[float, int, int, int]]   # after each step: (seconds, running, waiting, tokens in it)
+    prefix_cache_hit_rate: float | None = None     # prompt tokens found in the cache / looked up
 
 
 def load_workload(path=None, num_requests: int = 128, length_scale: float = 0.6, max_prompt: int = 1024,
                   max_output: int = 512, request_rate: float = math.inf, vocab: tuple[int, int] = (1000, 40000),
-                  seed: int = 0) -> list[WorkItem]:
-    """The first `num_requests` lines of a trace, lengths x length_scale (clipped), random prompt ids."""
+                  seed: int = 0, shared_prefix_tokens: int = 0) -> list[WorkItem]:
+    """The first `num_requests` lines of a trace, lengths x length_scale (clipped), random prompt ids.
+    shared_prefix_tokens: every prompt starts with the same that many (random) tokens, as if all
+    requests had one system prompt; the trace's length is what follows it."""
     path = Path(path) if path else DEFAULT_TRACE
     if not path.is_file():
         raise ValueError(f"workload file {path} does not exist")
     rows = [json.loads(line) for line in path.read_text().splitlines() if line.strip()]
     if not rows or not all({"prompt_tokens", "output_tokens"} <= set(r) for r in rows):
         raise ValueError(f"{path}: every line must be a JSON object with prompt_tokens and output_tokens")
-    if num_requests < 1 or not 0 < length_scale <= 10 or not request_rate > 0:
-        raise ValueError("num_requests must be >= 1, length_scale in (0, 10] and request_rate > 0")
+    if num_requests < 1 or not 0 < length_scale <= 10 or not request_rate > 0 or shared_prefix_tokens < 0:
+        raise ValueError("num_requests must be >= 1, length_scale in (0, 10], request_rate > 0 "
+                         "and shared_prefix_tokens >= 0")
     rows = (rows * -(-num_requests // len(rows)))[:num_requests]
     rng = random.Random(seed)
+    prefix = [rng.randrange(*vocab) for _ in range(shared_prefix_tokens)]
     t, items = 0.0, []
     for i, r in enumerate(rows):
         if math.isfinite(request_rate):
             t += rng.expovariate(request_rate)          # Poisson arrivals: exponential gaps
         p = min(max(1, round(r["prompt_tokens"] * length_scale)), max_prompt)
         o = min(max(2, round(r["output_tokens"] * length_scale)), max_output)
-        items.append(WorkItem(f"req-{i}", [rng.randrange(*vocab) for _ in range(p)], o, t))
+        items.append(WorkItem(f"req-{i}", prefix + [rng.randrange(*vocab) for _ in range(p)], o, t))
     return items
 
 
@@ -91,6 +96,7 @@ def replay_engine(engine, items: list[WorkItem], max_concurrency: int | None = N
     what is left is aborted and counted as failed)."""
     pending = deque(sorted(items, key=lambda w: w.arrival_s))
     records, sent, timeline, in_flight = {}, {}, [], 0
+    before = engine.stats()
     bar = tqdm(total=len(items), desc=engine.scheduler.policy, unit="req", disable=None if progress else True)
     t0 = time.perf_counter()
     while (pending or engine.has_unfinished_requests()) and time.perf_counter() - t0 < timeout_s:
@@ -122,7 +128,10 @@ def replay_engine(engine, items: list[WorkItem], max_concurrency: int | None = N
             records[w.request_id] = Record(0, [], False, sent.get(w.request_id, 0.0))
     while engine.has_unfinished_requests():
         engine.step()
-    return Replay(records, duration, timeline)
+    after = engine.stats()
+    queries = after["prefix_cache_queries"] - before["prefix_cache_queries"]
+    hit_rate = (after["prefix_cache_hits"] - before["prefix_cache_hits"]) / queries if engine.prefix_caching and queries else None
+    return Replay(records, duration, timeline, hit_rate)
 
 
 def replay_transformers(hf_model, items: list[WorkItem], batch_size: int, pad_id: int,
@@ -191,6 +200,7 @@ def summarize_system(system: str, replay: Replay) -> dict:
     out_tokens = sum(r.output_tokens for r in done)
     return {"system": system, "completed": len(done), "failed": len(records) - len(done),
             "duration_s": duration, "output_tokens": out_tokens, "output_tokens_per_s": out_tokens / duration,
+            "prefix_cache_hit_rate": replay.prefix_cache_hit_rate,
             "ttft_s": summarize(ttft), "itl_s": summarize(itl), "tpot_s": summarize(tpot), "e2e_s": summarize(e2e)}
 
 
@@ -230,7 +240,7 @@ def run_serve_bench(model, tokenizer, items: list[WorkItem], systems=("continuou
 
 def _tiny(items: list[WorkItem]) -> list[WorkItem]:
     """Two short requests: the first calls pay for lazy set-up; keep that out of the numbers."""
-    return [WorkItem(f"warmup-{i}", w.prompt_ids[:16], 4, 0.0) for i, w in enumerate(items[:2])]
+    return [WorkItem(f"warmup-{i}", [1000 + i] * 16, 4, 0.0) for i in range(2)]   # shares nothing with items
 
 
 def long_prompt_interference(engine, background: list[list[int]], long_prompt: list[int],

@@ -84,6 +84,9 @@ def build_parser() -> argparse.ArgumentParser:
     sv.add_argument("--length-scale", type=float, default=0.6, help="multiply the trace's lengths (default 0.6)")
     sv.add_argument("--systems", default="continuous,static", help="engine policies to run (continuous,static)")
     sv.add_argument("--max-num-batched-tokens", type=int, default=512, help="the engine's token budget per step")
+    sv.add_argument("--shared-prefix-tokens", type=int, default=0,
+                    help="every prompt starts with the same N tokens (a shared system prompt)")
+    sv.add_argument("--no-prefix-caching", action="store_true", help="turn the engine's prefix cache off")
     sv.add_argument("--timeout", type=float, default=1800.0, help="seconds per system before giving up")
     b.add_argument("--model", default=None)
     b.add_argument("--threads", type=int, default=None)
@@ -214,7 +217,8 @@ def cmd_bench_serve(args) -> None:
         _fail(f"--systems takes continuous and/or static; got {args.systems!r} (add transformers with --peer)")
     if args.max_concurrency < 1 or args.max_num_batched_tokens < 1 or args.timeout <= 0:
         _fail("--max-concurrency and --max-num-batched-tokens must be >= 1 and --timeout > 0")
-    items = load_workload(args.workload, args.num_requests, args.length_scale, request_rate=args.request_rate)
+    items = load_workload(args.workload, args.num_requests, args.length_scale, request_rate=args.request_rate,
+                          shared_prefix_tokens=args.shared_prefix_tokens)
     args.stage = "continuous"
     model, tok, _ = _load(args)
     hf = None
@@ -224,15 +228,18 @@ def cmd_bench_serve(args) -> None:
 
     def show(r):
         if not args.json:
+            hit = r["prefix_cache_hit_rate"]
             print(f"{r['system']:<13} {r['completed']:>5} {r['output_tokens_per_s']:>8.1f} "
                   f"{r['ttft_s']['p50'] or 0:>9.2f} {r['ttft_s']['p99'] or 0:>7.2f} {r['itl_s']['p50'] or 0:>8.3f} "
-                  f"{r['itl_s']['p99'] or 0:>7.3f} {r['e2e_s']['p50'] or 0:>8.2f}", file=sys.stderr, flush=True)
+                  f"{r['itl_s']['p99'] or 0:>7.3f} {r['e2e_s']['p50'] or 0:>8.2f} "
+                  f"{'-' if hit is None else f'{hit:.0%}':>9}", file=sys.stderr, flush=True)
 
     if not args.json:
         print(f"{'system':<13} {'done':>5} {'tok/s':>8} {'TTFT p50':>9} {'p99':>7} {'ITL p50':>8} {'p99':>7} "
-              f"{'e2e p50':>8}  (seconds)", file=sys.stderr, flush=True)
+              f"{'e2e p50':>8} {'cache hit':>9}  (seconds)", file=sys.stderr, flush=True)
     results, _ = run_serve_bench(model, tok, items, systems, hf_model=hf, max_concurrency=args.max_concurrency,
-                                 engine_options={"max_num_batched_tokens": args.max_num_batched_tokens},
+                                 engine_options={"max_num_batched_tokens": args.max_num_batched_tokens,
+                                                 "enable_prefix_caching": not args.no_prefix_caching},
                                  timeout_s=args.timeout, on_result=show)
     workload = {"file": args.workload or "data/request_trace.jsonl", "num_requests": len(items),
                 "request_rate": args.request_rate if args.request_rate != float("inf") else "inf",
@@ -240,7 +247,8 @@ def cmd_bench_serve(args) -> None:
                 "mean_prompt_tokens": sum(len(w.prompt_ids) for w in items) / len(items),
                 "mean_output_tokens": sum(w.output_len for w in items) / len(items),
                 "max_output_tokens": max(w.output_len for w in items),
-                "max_num_batched_tokens": args.max_num_batched_tokens}
+                "max_num_batched_tokens": args.max_num_batched_tokens,
+                "shared_prefix_tokens": args.shared_prefix_tokens, "prefix_caching": not args.no_prefix_caching}
     print(json.dumps({"machine": machine_info(), "workload": workload, "results": results}))
 
 

@@ -97,6 +97,22 @@ def test_bench_serve_prints_json_for_each_system(tmp_path):
             assert set(x[key]) == {"mean", "p50", "p90", "p99"} and x[key]["p50"] > 0
 
 
+def test_bench_serve_shared_prefix_reports_the_hit_rate(tmp_path):
+    trace = tmp_path / "trace.jsonl"
+    trace.write_text("\n".join(json.dumps({"prompt_tokens": 4, "output_tokens": 3}) for _ in range(4)))
+    for flag, expect in (([], True), (["--no-prefix-caching"], False)):
+        r = run("bench", "serve", "--workload", str(trace), "--num-requests", "4", "--length-scale", "1",
+                "--shared-prefix-tokens", "40", "--max-concurrency", "1", "--systems", "continuous", "--json", *flag)
+        assert r.returncode == 0, r.stderr
+        report = json.loads(r.stdout.strip().splitlines()[-1])
+        [res] = report["results"]
+        assert report["workload"]["shared_prefix_tokens"] == 40 and report["workload"]["prefix_caching"] is expect
+        if expect:   # one at a time: the 3 later requests find the 2 full blocks of the shared 40 tokens
+            assert res["prefix_cache_hit_rate"] == pytest.approx(3 * 32 / (4 * 44))
+        else:
+            assert res["prefix_cache_hit_rate"] is None
+
+
 def test_course_opens_the_notebooks_in_jupyterlab():
     r = run("course", "--dry-run")
     assert r.returncode == 0, r.stderr
