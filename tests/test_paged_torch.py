@@ -67,6 +67,18 @@ def test_torch_backend_matches_reference(case, H, H_kv, D, block_size):
     torch.testing.assert_close(paged_attention(q.float(), pool.k[0], pool.v[0], plan), out)
 
 
+@pytest.mark.parametrize("case", CASES[1:])
+def test_tables_longer_than_the_keys(case):
+    """A request may hold blocks past its keys (room reserved for speculative tokens): they are ignored."""
+    pool, q, ks, vs, tables = make_batch(case, 4, 2, 16, 4, torch.float32, seed=3)
+    for i in range(len(case)):
+        pool.append_slots(i, 9)                                            # 2-3 more blocks, never read
+    tables = [pool.tables[i] for i in range(len(case))]
+    plan = plan_paged_attention([n for n, _ in case], [k for _, k in case], tables, 4, "cpu")
+    out = paged_attention(q.float(), pool.k[0], pool.v[0], plan)
+    assert (out.double() - reference(case, q, ks, vs)).abs().max().item() < 1e-5
+
+
 @pytest.mark.parametrize("case", CASES[1:4])
 def test_triton_backend_matches_reference(case):
     from minillm.attention.triton_flash import flash_attn_varlen

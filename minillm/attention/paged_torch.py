@@ -65,7 +65,7 @@ def plan_paged_attention(q_lens: list[int], k_lens: list[int], tables: list[list
     groups, offset = [], 0
     for b in buckets:
         width = need[b[0]]
-        pages = [p for i in b for p in tables[i][:width] + [0] * (width - need[i])]
+        pages = [p for i in b for p in tables[i][:need[i]] + [0] * (width - need[i])]
         lens = torch.tensor([k_lens[i] for i in b], device=device)
         mask = (torch.arange(width * block_size, device=device) < lens[:, None])[:, None, None, :]
         groups.append(DecodeGroup(torch.tensor([starts[i] for i in b], device=device),
