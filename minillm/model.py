@@ -118,7 +118,7 @@ class Transformer(nn.Module):
 
     def forward(self, ids: torch.Tensor, positions: torch.Tensor | None = None, cache=None,
                 mask: torch.Tensor | None = None, attn_fn=None,
-                logit_indices: torch.Tensor | None = None) -> torch.Tensor:
+                logit_indices: torch.Tensor | None = None, n_layers: int | None = None) -> torch.Tensor:
         """ids: (B, T) -> logits (B, T, vocab).
 
         positions: (T,) or (B, T) absolute positions, for RoPE (default 0 .. T-1).
@@ -127,6 +127,8 @@ class Transformer(nn.Module):
         logit_indices: (M,) positions along T whose logits are wanted -> logits (B, M, vocab).
             A prefill chunk needs only its last token's; the output head is the biggest
             matrix of the model (49,152 x 576 here), so skipping the other rows matters.
+        n_layers: run only the first n_layers blocks, then the final norm and head: the same model
+            made cheaper, a draft for speculative decoding (self-speculation by layer skipping).
         """
         attn_fn = attn_fn or self.attn_fn
         B, T = ids.shape
@@ -137,6 +139,8 @@ class Transformer(nn.Module):
             cos, sin = cos[:, None], sin[:, None]                                 # (B, 1, T, hd)
         x = self.tok_emb(ids)                                                      # (B, T, d)
         for i, block in enumerate(self.layers):
+            if n_layers is not None and i >= n_layers:
+                break
             x = block(x, cos, sin, attn_fn, mask, cache, i)
         if logit_indices is not None:
             x = x[:, logit_indices]                                                # (B, M, d)

@@ -5,6 +5,12 @@
     prefill_batch(list of ids) -> (B, vocab)   several prompts of different lengths
     decode_batch(tokens) -> (B, vocab)         one new token for each
 
+The cached runners (kv, flash, paged) also serve speculative decoding (`speculative/`), one sequence:
+
+    length                                     tokens whose K/V are stored
+    extend(ids, n_layers=None) -> (T, vocab)   append T tokens; logits at every one of them
+    truncate(n)                                forget every token after the first n (rejected drafts)
+
 Stage 1 (`NaiveRunner`) keeps only the token ids and runs the model over all of
 them at every step. Stage 2 (`KVCacheRunner`) keeps every layer's keys and values
 in a `KVCache`, so a decode step runs the model on one token. Stage 3 (`FlashRunner`)
@@ -104,6 +110,24 @@ class KVCacheRunner(_Runner):
         self.cache.commit()
         return logits[:, -1]                                                     # (B, vocab)
 
+    @property
+    def length(self) -> int:
+        return self.cache.lengths[0]
+
+    @torch.inference_mode()
+    def extend(self, tokens: list[int], n_layers: int | None = None) -> torch.Tensor:
+        """Append tokens (one sequence); logits (T, vocab) after each. With n_layers, only the first
+        n_layers layers run (and store K/V): a layer-skipping draft sharing this cache."""
+        ids = torch.tensor([tokens], device=self.model.device)                  # (1, T)
+        positions, mask = self.cache.begin(len(tokens))                         # (1, T)
+        logits = self.model(ids, positions, self.cache, mask, attn_fn=self.attn_fn, n_layers=n_layers)
+        self.cache.commit()
+        return logits[0]                                                         # (T, vocab)
+
+    def truncate(self, length: int) -> None:
+        """Keep the first `length` tokens. Slots past it are simply overwritten later."""
+        self.cache.truncate(length)
+
 
 class FlashRunner(KVCacheRunner):
     """Stage 3: the same KV cache, attention by the Triton kernels of `attention/triton_flash.py`
@@ -143,6 +167,11 @@ class FlashRunner(KVCacheRunner):
         self._seqlens = torch.tensor([n + 1 for n in self.cache.lengths], dtype=torch.int32,
                                      device=self.model.device)
         return super().decode_batch(tokens)
+
+    @torch.inference_mode()
+    def extend(self, tokens: list[int], n_layers: int | None = None) -> torch.Tensor:
+        self._seqlens = torch.tensor([self.length + len(tokens)], dtype=torch.int32, device=self.model.device)
+        return super().extend(tokens, n_layers)
 
 
 class _PagedCache:
@@ -196,8 +225,8 @@ class PagedRunner(_Runner):
             out[b, :, :n] = out_p[start:start + n].transpose(0, 1)
         return out
 
-    def _forward(self, ids: torch.Tensor, positions: torch.Tensor) -> torch.Tensor:
-        return self.model(ids, positions, _PagedCache(self), None, attn_fn=self._attention)
+    def _forward(self, ids: torch.Tensor, positions: torch.Tensor, n_layers: int | None = None) -> torch.Tensor:
+        return self.model(ids, positions, _PagedCache(self), None, attn_fn=self._attention, n_layers=n_layers)
 
     @torch.inference_mode()
     def prefill_batch(self, seqs: list[list[int]]) -> torch.Tensor:
@@ -219,6 +248,23 @@ class PagedRunner(_Runner):
         self.step_lengths = [1] * len(self.seqs)
         self.slots = torch.cat([self.pool.append_slots(s, 1) for s in self.seqs])
         return self._forward(ids, positions)[:, -1]                                # (B, vocab)
+
+    @property
+    def length(self) -> int:
+        return self.pool.lengths[self.seqs[0]]
+
+    @torch.inference_mode()
+    def extend(self, tokens: list[int], n_layers: int | None = None) -> torch.Tensor:
+        start, T = self.length, len(tokens)
+        ids = torch.tensor([tokens], device=self.model.device)                     # (1, T)
+        positions = torch.arange(start, start + T, device=self.model.device)[None]  # (1, T)
+        self.step_lengths = [T]
+        self.slots = self.pool.append_slots(self.seqs[0], T)
+        return self._forward(ids, positions, n_layers)[0]                          # (T, vocab)
+
+    def truncate(self, length: int) -> None:
+        """Keep the first `length` tokens; blocks past them go back to the pool."""
+        self.pool.truncate(self.seqs[0], length)
 
 
 STAGES = {"naive": NaiveRunner, "kv": KVCacheRunner, "flash": FlashRunner, "paged": PagedRunner}

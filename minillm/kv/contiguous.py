@@ -77,3 +77,10 @@ class KVCache:
         (default: all T; a right-padded prefill keeps only each prompt's real length)."""
         new_tokens = new_tokens or [self._T] * len(self.lengths)
         self.lengths = [n + m for n, m in zip(self.lengths, new_tokens)]
+
+    def truncate(self, length: int, seq: int = 0) -> None:
+        """Roll sequence `seq` back to its first `length` tokens (speculative decoding drops rejected
+        drafts). Nothing is erased: the slots past `length` are never read and are overwritten next."""
+        if not 0 <= length <= self.lengths[seq]:
+            raise ValueError(f"cannot truncate to {length} tokens: the sequence holds {self.lengths[seq]}")
+        self.lengths[seq] = length

@@ -117,6 +117,16 @@ class BlockPool:
         for block in self.tables[child]:
             self.refcount[block] += 1
 
+    def truncate(self, seq: int, length: int) -> None:
+        """Keep the first `length` tokens of `seq` (rejected speculative tokens go); whole blocks past
+        them go back to the pool, last first. The K/V left in a kept block past `length` are never read."""
+        table = self.tables[seq]
+        if not 0 <= length <= self.lengths[seq]:
+            raise ValueError(f"cannot truncate sequence {seq} to {length} tokens: it holds {self.lengths[seq]}")
+        while len(table) > self.blocks_for(length):
+            self._release(table.pop())
+        self.lengths[seq] = length
+
     def free_seq(self, seq: int) -> None:
         """Give back a sequence's blocks (shared blocks stay until their last user frees them)."""
         for block in self.tables.pop(seq):
