@@ -1,0 +1,157 @@
+"""Proposers: cheap guesses of the next k tokens, for the target model to verify in one pass.
+
+    propose(token_ids, k) -> (draft ids (at most k), draft probabilities (k', vocab) or None)
+
+`token_ids` is the whole sequence so far (prompt + output); its last token has been sampled but
+not yet run through the target. None for the probabilities means a deterministic guess (q one-hot).
+A proposer may return fewer than k tokens, or none: then the step is a plain decode step.
+
+- `NgramProposer`: prompt lookup. Find the most recent earlier place where the last n tokens
+  occurred and propose what followed them there. No model, no cost: it pays off when the answer
+  copies from the prompt (summaries, edits of given code, extraction into JSON).
+- `LayerSkipProposer`: the target itself with only its first N layers (then its final norm and
+  head): self-speculation. Its layers are the target's first N layers, so the K/V it needs are
+  exactly the target's K/V of those layers: it drafts straight into the target's cache and rolls
+  back, with no cache and no catch-up pass of its own.
+- `DraftModelProposer`: any model with the same vocabulary, with its own KV cache. Before each
+  proposal it rolls its cache back to what the target accepted and runs the tokens it has not seen.
+"""
+from __future__ import annotations
+
+import numpy as np
+import torch
+
+from ..sampling import SamplingParams, filtered_probs
+
+
+class Proposer:
+    """The interface. `start` is called once per sequence, after the target's prefill."""
+
+    name = "proposer"
+
+    def start(self, runner, params: SamplingParams, generator: torch.Generator | None) -> None:
+        self.params, self.generator = params, generator
+
+    def propose(self, token_ids: list[int], k: int) -> tuple[list[int], torch.Tensor | None]:
+        raise NotImplementedError
+
+    def _pick(self, logits: torch.Tensor) -> tuple[int, torch.Tensor | None]:
+        """A draft token from logits (vocab,): the argmax for greedy, else drawn from the filtered
+        distribution q (returned, as the rejection rule needs it)."""
+        if self.params.greedy:
+            return int(logits.argmax()), None
+        q = filtered_probs(logits, self.params)                                  # (vocab,)
+        return int(torch.multinomial(q.to(self.generator.device), 1, generator=self.generator)), q
+
+
+class NgramProposer(Proposer):
+    def __init__(self, min_n: int = 1, max_n: int = 4):
+        if not 1 <= min_n <= max_n:
+            raise ValueError(f"the n-gram sizes need 1 <= min_n <= max_n; got {min_n}, {max_n}")
+        self.min_n, self.max_n = min_n, max_n
+        self.name = f"ngram[{min_n}-{max_n}]"
+
+    def start(self, runner, params, generator) -> None:
+        pass
+
+    def propose(self, token_ids, k):
+        return lookup_ngram(token_ids, k, self.min_n, self.max_n), None
+
+
+def lookup_ngram(token_ids: list[int], k: int, min_n: int = 1, max_n: int = 4) -> list[int]:
+    """The k tokens that followed the most recent earlier occurrence of the last n tokens
+    (n from max_n down to min_n; the longest match wins), or [] when there is none."""
+    ids = np.asarray(token_ids, dtype=np.int64)
+    L = len(ids)
+    for n in range(min(max_n, L - 1), min_n - 1, -1):
+        windows = np.lib.stride_tricks.sliding_window_view(ids[:L - 1], n)      # (L - n, n): starts 0 .. L-n-1
+        hits = np.flatnonzero((windows == ids[L - n:]).all(axis=1))               # earlier occurrences
+        if len(hits):
+            start = int(hits[-1]) + n                                             # what followed the latest
+            return ids[start:start + k].tolist()
+    return []
+
+
+class LayerSkipProposer(Proposer):
+    def __init__(self, n_layers: int):
+        if n_layers < 1:
+            raise ValueError(f"the draft needs at least 1 layer; got {n_layers}")
+        self.n_layers = n_layers
+        self.name = f"layers:{n_layers}"
+
+    def start(self, runner, params, generator) -> None:
+        super().start(runner, params, generator)
+        if not hasattr(runner, "extend"):
+            raise ValueError(f"the {runner.name} stage keeps no KV cache to draft into: use kv, flash or paged")
+        if self.n_layers >= runner.model.cfg.n_layers:
+            raise ValueError(f"a layer-skipping draft needs fewer layers than the model's "
+                             f"{runner.model.cfg.n_layers}; got {self.n_layers}")
+        self.runner = runner
+
+    def propose(self, token_ids, k):
+        r = self.runner
+        start = r.length
+        assert start == len(token_ids) - 1, "the target's cache must hold every token but the last"
+        drafts, qs, token = [], [], token_ids[-1]
+        for _ in range(k):
+            token, q = self._pick(r.extend([token], n_layers=self.n_layers)[-1])   # K/V of layers < N stored
+            drafts.append(token)
+            qs.append(q)
+        r.truncate(start)                       # the target recomputes these positions when it verifies
+        return drafts, None if self.params.greedy else torch.stack(qs)
+
+
+class DraftModelProposer(Proposer):
+    def __init__(self, model, stage: str = "kv", name: str = "draft-model"):
+        self.model, self.stage, self.name = model, stage, name
+
+    def start(self, runner, params, generator) -> None:
+        from ..runners import make_runner
+
+        super().start(runner, params, generator)
+        self.draft = make_runner(self.model, self.stage, max_len=runner.max_len)
+        self.seen: list[int] = []               # tokens whose K/V the draft's cache holds
+
+    def propose(self, token_ids, k):
+        if k == 0:
+            return [], None
+        d = self.draft
+        same = 0                                # the cache is right up to the first token that differs
+        for a, b in zip(self.seen, token_ids):
+            if a != b:
+                break
+            same += 1
+        same = min(same, len(token_ids) - 1)    # the last token always runs: its logits are needed
+        if self.seen:
+            d.truncate(same)
+            logits = d.extend(token_ids[same:])[-1]
+        else:                                    # first proposal: the draft's own prefill
+            logits = d.prefill(token_ids)
+        drafts, qs = [], []
+        for i in range(k):
+            token, q = self._pick(logits)
+            drafts.append(token)
+            qs.append(q)
+            if i < k - 1:
+                logits = d.extend([token])[-1]
+        self.seen = list(token_ids) + drafts[:-1]
+        return drafts, None if self.params.greedy else torch.stack(qs)
+
+
+def make_proposer(spec, model=None) -> Proposer:
+    """'ngram', 'ngram:MIN-MAX', 'layers:N', or a Proposer (returned as is)."""
+    if isinstance(spec, Proposer):
+        return spec
+    kind, _, arg = str(spec).partition(":")
+    try:
+        if kind == "ngram":
+            if not arg:
+                return NgramProposer()
+            lo, _, hi = arg.partition("-")
+            return NgramProposer(int(lo), int(hi or lo))
+        if kind == "layers" and arg:
+            return LayerSkipProposer(int(arg))
+    except ValueError as e:
+        raise ValueError(f"bad speculative proposer {spec!r}: {e}") from None
+    raise ValueError(f"unknown speculative proposer {spec!r}: use 'ngram', 'ngram:MIN-MAX' or 'layers:N' "
+                     f"(N = how many of the model's layers the draft runs)")
