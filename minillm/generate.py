@@ -28,6 +28,20 @@ class Generation:
     ttft_s: float = 0.0                   # prompt in -> first new token out
     token_times_s: list[float] = field(default_factory=list)  # time to produce each new token
     stage: str = "naive"
+    # speculative decoding (vLLM's counters): verification passes that had drafts, drafted tokens, accepted ones
+    spec_drafts: int = 0
+    spec_draft_tokens: int = 0
+    spec_accepted_tokens: int = 0
+
+    @property
+    def acceptance_rate(self) -> float:
+        """Accepted drafted tokens / drafted tokens."""
+        return self.spec_accepted_tokens / self.spec_draft_tokens if self.spec_draft_tokens else 0.0
+
+    @property
+    def mean_accepted_tokens(self) -> float:
+        """Drafted tokens accepted per verification pass that had drafts (each pass adds one more token)."""
+        return self.spec_accepted_tokens / self.spec_drafts if self.spec_drafts else 0.0
 
     @property
     def decode_tokens_per_s(self) -> float:
@@ -53,66 +67,106 @@ def check_prompt(prompt_ids: list[int], max_seq_len: int) -> None:
                          f"shorten it to at most {max_seq_len - 1} tokens")
 
 
+class TextSink:
+    """Sampled tokens in, streamable text out: stops at an end token, a stop string, max_tokens or the
+    end of the context; never yields half a character or what could be the start of a stop string."""
+
+    def __init__(self, tokenizer, params: SamplingParams, out: "Generation", max_new: int):
+        self.params, self.out, self.max_new = params, out, max_new
+        self.decoder = tokenizer.stream_decoder()
+        self.stop_ids = set() if params.ignore_eos else tokenizer.stop_ids
+        self.hold = max((len(s) for s in params.stop), default=1) - 1  # chars that could start a stop string
+        self.text, self.sent, self.cut = "", 0, -1
+        self.done = False
+
+    @property
+    def remaining(self) -> int:
+        """New tokens still allowed."""
+        return self.max_new - len(self.out.token_ids)
+
+    def push(self, token: int) -> str:
+        """Take one sampled token; return the text that is now safe to show ("" if none)."""
+        out = self.out
+        if token in self.stop_ids:
+            out.finish_reason, self.done = "stop", True
+            return ""
+        out.token_ids.append(token)
+        self.text += self.decoder.push(token)
+        self.cut = first_stop(self.text, self.params.stop)
+        if self.cut >= 0:
+            self.text, out.finish_reason, self.done = self.text[:self.cut], "stop", True
+            return ""
+        if self.remaining <= 0:
+            out.finish_reason, self.done = "length", True
+        if len(self.text) - self.hold > self.sent:
+            chunk = self.text[self.sent:len(self.text) - self.hold]
+            self.sent = len(self.text) - self.hold
+            return chunk
+        return ""
+
+    def close(self) -> str:
+        """The end: the rest of the text (the decoder's held bytes too, unless a stop string cut it)."""
+        if self.cut < 0:
+            self.text += self.decoder.flush()
+        self.out.text = self.text
+        return self.text[self.sent:]
+
+
 def stream(model, tokenizer, prompt_ids: list[int], params: SamplingParams | None = None,
-           stage: str = "naive", result: Generation | None = None) -> Iterator[str]:
+           stage: str = "naive", result: Generation | None = None,
+           speculative=None, num_speculative_tokens: int = 4) -> Iterator[str]:
     """Generate, yielding text as it is decoded (never half a character, never part of a stop string).
 
     Pass a `Generation` as `result` to receive the token ids and timings as they happen.
+    speculative: a proposer ('ngram', 'layers:N' or a `speculative.Proposer`) drafting
+    num_speculative_tokens tokens per step for the model to verify (stage 6, `speculative/`).
     """
     params = params or SamplingParams()
     max_len = model.cfg.max_seq_len
     check_prompt(prompt_ids, max_len)
     if stage == "continuous":
-        yield from _stream_engine(model, tokenizer, prompt_ids, params, result)
+        yield from _stream_engine(model, tokenizer, prompt_ids, params, result, speculative, num_speculative_tokens)
+        return
+    out = result if result is not None else Generation(prompt_tokens=len(prompt_ids))
+    out.prompt_tokens, out.stage = len(prompt_ids), stage
+    sink = TextSink(tokenizer, params, out, min(params.max_tokens, max_len - len(prompt_ids)))
+    if speculative is not None:
+        from .speculative.decode import speculative_decode
+
+        yield from speculative_decode(model, prompt_ids, params, stage, speculative, num_speculative_tokens, sink)
         return
     runner = make_runner(model, stage, max_len=min(len(prompt_ids) + params.max_tokens, max_len))
     gen = make_generator(params.seed)
-    out = result if result is not None else Generation(prompt_tokens=len(prompt_ids))
-    out.prompt_tokens, out.stage = len(prompt_ids), stage
-    decoder = tokenizer.stream_decoder()
-    stop_ids = set() if params.ignore_eos else tokenizer.stop_ids
-    hold = max((len(s) for s in params.stop), default=1) - 1  # chars kept back: could start a stop string
-    text, sent, cut = "", 0, -1
 
     t0 = time.perf_counter()
     logits = runner.prefill(prompt_ids)
-    for step in range(params.max_tokens):
+    while True:
         token = int(sample_next_token(logits[None], params, gen)[0])
         now = time.perf_counter()
         out.token_times_s.append(now - t0)
-        if step == 0:
+        if len(out.token_times_s) == 1:
             out.ttft_s = now - t0
         t0 = now
-        if token in stop_ids:
-            out.finish_reason = "stop"
-            break
-        out.token_ids.append(token)
-        text += decoder.push(token)
-        cut = first_stop(text, params.stop)
-        if cut >= 0:
-            text, out.finish_reason = text[:cut], "stop"
-            break
-        if len(text) - hold > sent:
-            yield text[sent:len(text) - hold]
-            sent = len(text) - hold
-        if step == params.max_tokens - 1 or len(prompt_ids) + len(out.token_ids) >= max_len:
-            out.finish_reason = "length"
+        chunk = sink.push(token)
+        if chunk:
+            yield chunk
+        if sink.done:
             break
         logits = runner.decode(token)
-    if out.finish_reason != "stop" or cut < 0:
-        text += decoder.flush()
-    out.text = text
-    if len(text) > sent:
-        yield text[sent:]
+    rest = sink.close()
+    if rest:
+        yield rest
 
 
-def _stream_engine(model, tokenizer, prompt_ids, params, result) -> Iterator[str]:
+def _stream_engine(model, tokenizer, prompt_ids, params, result, speculative=None, k=4) -> Iterator[str]:
     """Stage 5 for one prompt: the serving engine with a pool just big enough for it."""
     from .engine import LLM
 
     block = 16
-    blocks = -(-min(len(prompt_ids) + params.max_tokens, model.cfg.max_seq_len) // block)
-    llm = LLM(model, tokenizer, max_num_seqs=1, block_size=block, num_blocks=blocks, verbose=False)
+    extra = k + 1 if speculative is not None else 0          # room for drafts being verified
+    blocks = -(-min(len(prompt_ids) + params.max_tokens + extra, model.cfg.max_seq_len) // block)
+    llm = LLM(model, tokenizer, max_num_seqs=1, block_size=block, num_blocks=blocks, verbose=False,
+              **({"speculative": speculative, "num_speculative_tokens": k} if speculative is not None else {}))
     out = result if result is not None else Generation(prompt_tokens=len(prompt_ids))
     out.prompt_tokens, out.stage = len(prompt_ids), "continuous"
     sent = 0
@@ -121,15 +175,19 @@ def _stream_engine(model, tokenizer, prompt_ids, params, result) -> Iterator[str
             yield o.text[sent:]
             sent = len(o.text)
     out.token_ids, out.text, out.finish_reason = o.token_ids, o.text, o.finish_reason
+    stats = llm.engine.stats()
+    out.spec_drafts, out.spec_draft_tokens = stats["spec_drafts"], stats["spec_draft_tokens"]
+    out.spec_accepted_tokens = stats["spec_accepted_tokens"]
     out.ttft_s = o.metrics.ttft_s or 0.0
     out.token_times_s = ([out.ttft_s] + o.metrics.itl_s) if o.metrics.ttft_s is not None else []
 
 
 def generate(model, tokenizer, prompt_ids: list[int], params: SamplingParams | None = None,
-             stage: str = "naive") -> Generation:
-    """Generate to the end and return the ids, text and timings."""
+             stage: str = "naive", speculative=None, num_speculative_tokens: int = 4) -> Generation:
+    """Generate to the end and return the ids, text and timings (and, with `speculative`, its counters)."""
     out = Generation(prompt_tokens=len(prompt_ids))
-    for _ in stream(model, tokenizer, prompt_ids, params, stage, result=out):
+    for _ in stream(model, tokenizer, prompt_ids, params, stage, result=out,
+                    speculative=speculative, num_speculative_tokens=num_speculative_tokens):
         pass
     return out
 

@@ -1,0 +1,70 @@
+"""Stage 6, one stream: draft k tokens, verify them in one target pass, keep what the rule accepts.
+
+    prefill the prompt -> sample token t
+    repeat:
+        drafts = proposer.propose(tokens so far, k)             cheap guesses d_1..d_k
+        logits = target.extend([t, d_1, ..., d_k])              one pass, k + 1 positions
+        emitted = verify(drafts, q, p(logits))                  1 .. k + 1 tokens, exactly distributed
+        target.truncate(cache length + len(emitted))            rejected drafts' K/V forgotten
+        t = emitted[-1]                                         its K/V are computed next round
+
+The cache after a round holds t and the accepted drafts; the last emitted token (the correction
+or the bonus) is the next round's first input, exactly like a sampled token in plain decoding.
+"""
+from __future__ import annotations
+
+import time
+from typing import Iterator
+
+from ..runners import make_runner
+from ..sampling import SamplingParams, make_generator, sample_next_token
+from .proposers import make_proposer
+from .verify import target_probs, verify
+
+
+def speculative_decode(model, prompt_ids: list[int], params: SamplingParams, stage: str, proposer, k: int,
+                       sink) -> Iterator[str]:
+    """Yield text chunks through `sink` (a generate.TextSink, which holds the Generation being filled)."""
+    if not isinstance(k, int) or k < 1:
+        raise ValueError(f"num_speculative_tokens must be an integer >= 1; got {k!r}")
+    if stage not in ("kv", "flash", "paged"):
+        raise ValueError(f"speculative decoding needs a stage with a KV cache to roll back: kv, flash, paged "
+                         f"or continuous; got {stage!r}")
+    proposer = make_proposer(proposer, model)
+    out, P = sink.out, len(prompt_ids)
+    runner = make_runner(model, stage, max_len=min(P + params.max_tokens + k + 1, model.cfg.max_seq_len))
+    gen = None if params.greedy else make_generator(params.seed)
+    history = list(prompt_ids)
+
+    t0 = time.perf_counter()
+    logits = runner.prefill(prompt_ids)
+    new = [int(sample_next_token(logits[None], params, gen)[0])]
+    proposer.start(runner, params, gen)
+    while True:
+        now = time.perf_counter()
+        if not out.token_times_s:
+            out.ttft_s = now - t0
+        out.token_times_s += [now - t0] + [0.0] * (len(new) - 1)   # a round's tokens arrive together
+        t0 = now
+        for token in new:
+            history.append(token)
+            chunk = sink.push(token)
+            if chunk:
+                yield chunk
+            if sink.done:
+                break
+        if sink.done:
+            break
+        start = runner.length                                       # == len(history) - 1
+        room = min(k, sink.remaining - 1, runner.max_len - start - 1)
+        drafts, q = proposer.propose(history, room) if room > 0 else ([], None)
+        logits = runner.extend([history[-1], *drafts])                 # (len(drafts) + 1, vocab)
+        new = verify(drafts, q, target_probs(logits, params), gen)
+        runner.truncate(start + len(new))                              # t + the accepted drafts
+        if drafts:
+            out.spec_drafts += 1
+            out.spec_draft_tokens += len(drafts)
+            out.spec_accepted_tokens += len(new) - 1
+    rest = sink.close()
+    if rest:
+        yield rest
