@@ -25,6 +25,7 @@ from ..sampling import SamplingParams, sample_next_token
 from .request import Request, RequestMetrics, RequestOutput
 from .runner import ModelRunner
 from .scheduler import ScheduledBatch, Scheduler
+from .speculation import Speculator
 
 logger = logging.getLogger("minillm")
 
@@ -36,7 +37,7 @@ class LLMEngine:
                  block_size: int = 16, num_blocks: int | None = None, kv_cache_memory: int | None = None,
                  policy: str = "continuous", enable_chunked_prefill: bool = True,
                  max_model_len: int | None = None, attention: str = "auto", enable_prefix_caching: bool = True,
-                 verbose: bool = True):
+                 speculative=None, num_speculative_tokens: int = 4, verbose: bool = True):
         cfg = model.cfg
         self.model, self.tokenizer = model, tokenizer
         self.max_model_len = min(max_model_len or cfg.max_seq_len, cfg.max_seq_len)
@@ -55,20 +56,23 @@ class LLMEngine:
         pool_cls = PrefixCachingPool if enable_prefix_caching else BlockPool
         self.pool = pool_cls(cfg, num_blocks, block_size, model.dtype, model.device)
         self.prefix_caching = enable_prefix_caching
-        self.scheduler = Scheduler(self.pool, max_num_seqs, max_num_batched_tokens, policy, enable_chunked_prefill,
-                                   prefix_caching=enable_prefix_caching)
-        self.runner = ModelRunner(model, self.pool, attention)
         self.capacity_tokens = num_blocks * block_size
         self.max_len = min(self.max_model_len, self.capacity_tokens)   # longest request that can ever run
+        self.runner = ModelRunner(model, self.pool, attention)
+        self.speculator = None if speculative is None else Speculator(speculative, self.runner, num_speculative_tokens)
+        self.scheduler = Scheduler(self.pool, max_num_seqs, max_num_batched_tokens, policy, enable_chunked_prefill,
+                                   prefix_caching=enable_prefix_caching, max_len=self.max_len,
+                                   num_speculative_tokens=num_speculative_tokens if self.speculator else 0)
         self.requests: dict[str, Request] = {}
         self._aborted: list[Request] = []
         self.tokens_last_step = 0
         self.num_steps = 0
         say = logger.info if verbose else logger.debug
         say("KV cache: %d blocks x %d tokens = %d tokens (%.0f MiB, %s); %s batching, %d tokens and %d sequences "
-            "per step; prefix caching %s", num_blocks, block_size, self.capacity_tokens, num_blocks * block_bytes / 2**20,
+            "per step; prefix caching %s; speculative decoding %s", num_blocks, block_size, self.capacity_tokens, num_blocks * block_bytes / 2**20,
             str(model.dtype).removeprefix("torch."), policy, max_num_batched_tokens, max_num_seqs,
-            "on" if enable_prefix_caching else "off")
+            "on" if enable_prefix_caching else "off",
+            f"{self.speculator.proposer.name}, k={num_speculative_tokens}" if self.speculator else "off")
 
     # ------------------------------------------------------------ requests in
     def add_request(self, request_id, prompt_ids, params: SamplingParams | None = None,
@@ -131,21 +135,40 @@ class LLMEngine:
     def _execute(self, batch: ScheduledBatch) -> list[RequestOutput]:
         outputs = [self._output(r) for r in self._aborted]
         self._aborted = []
+        if self.speculator is not None:
+            self.speculator.propose(batch)                                  # drafts after sampled tokens
         self.tokens_last_step = batch.total_tokens
         if not batch.requests:
             return self._forget(outputs)
         logits = self.runner.execute(batch)                                  # (M, vocab)
         now = time.perf_counter()
         self.num_steps += 1
-        done = []
+        done, rows, row = [], [], 0
         for req, n in zip(batch.requests, batch.num_new_tokens):
-            req.num_computed_tokens += n
-            self._register_full_blocks(req)
+            d = len(req.spec_token_ids)
+            req.num_computed_tokens += n - d                                 # drafts count once accepted
             if req.num_computed_tokens == req.num_tokens:
                 done.append(req)
-        for req, token in zip(done, self._sample(logits, done)):
-            if token is not None:
+                rows.append((row, 1 + d))
+                row += 1 + d
+            else:
+                self._register_full_blocks(req)
+        plain = [i for i, r in enumerate(done) if not r.spec_token_ids]
+        sampled = dict(zip(plain, self._sample(logits[[rows[i][0] for i in plain]], [done[i] for i in plain])))
+        for i, req in enumerate(done):
+            if i in sampled:
+                new = [] if sampled[i] is None else [sampled[i]]
+            else:
+                start, m = rows[i]
+                new = self.speculator.verify(req, logits[start:start + m])
+                req.num_computed_tokens += len(new) - 1                      # the accepted drafts' K/V stay
+            if self.pool.lengths[req.request_id] > req.num_computed_tokens:  # rejected drafts, unused room
+                self.pool.truncate(req.request_id, req.num_computed_tokens)
+            for token in new:
                 self._append(req, token, now)
+                if req.finished:
+                    break
+            self._register_full_blocks(req)
             if req.finished:
                 self.scheduler.finish(req)
             outputs.append(self._output(req))
@@ -157,7 +180,7 @@ class LLMEngine:
         if not self.prefix_caching:
             return
         bs = self.pool.block_size
-        full = req.num_computed_tokens // bs
+        full = min(req.num_computed_tokens, req.num_tokens) // bs    # (tokens after an accepted EOS are not kept)
         if full <= req.num_hashed_blocks:
             return
         tokens = req.token_slice(0, full * bs)
@@ -222,9 +245,11 @@ class LLMEngine:
 
     # ------------------------------------------------------------ state
     def stats(self) -> dict:
-        s, pool = self.scheduler, self.pool
+        s, pool, sp = self.scheduler, self.pool, self.speculator
         return {"running": len(s.running), "waiting": len(s.waiting), "num_preemptions": s.num_preemptions,
                 "kv_blocks_used": pool.num_blocks - pool.num_free_blocks, "kv_blocks_total": pool.num_blocks,
                 "tokens_last_step": self.tokens_last_step, "num_steps": self.num_steps,
                 "prefix_cache_queries": s.prefix_cache_queries, "prefix_cache_hits": s.prefix_cache_hits,
-                "prefix_cache_evictions": getattr(pool, "num_evictions", 0)}
+                "prefix_cache_evictions": getattr(pool, "num_evictions", 0),
+                "spec_drafts": sp.num_drafts if sp else 0, "spec_draft_tokens": sp.num_draft_tokens if sp else 0,
+                "spec_accepted_tokens": sp.num_accepted_tokens if sp else 0}

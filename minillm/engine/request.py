@@ -55,6 +55,9 @@ class Request:
     block_hashes: list[bytes] = field(default_factory=list)   # content addresses of its full blocks so far
     num_cached_tokens: int = 0                  # prompt tokens found in the cache at its (last) admission
     num_hashed_blocks: int = 0                  # its first blocks that are registered in the cache
+    # speculative decoding (engine/speculation.py): this step's drafts after the sampled token
+    spec_token_ids: list[int] = field(default_factory=list)
+    spec_probs: torch.Tensor | None = None      # (drafts, vocab) the draft's distributions; None: one-hot
 
     def __post_init__(self):
         if not self.params.greedy:

@@ -13,7 +13,10 @@ The model sees a batch of one sequence of N tokens. Its linear layers do not car
 request a token belongs to; only attention does, and it gets the per-request lengths and
 block tables from the runner: the Triton kernel (`flash_attn_varlen` with a block table) on a
 GPU, gathered pages + SDPA in PyTorch on a CPU (`attention/paged_torch.py`).
-Only the last token of a request that reached the end of its tokens gets logits.
+Only the last token of a request that reached the end of its tokens gets logits, and each of a
+request's speculative tokens (`req.spec_token_ids`: drafts after its sampled token), whose logits
+the verification needs. `draft_step` runs a layer-skipping draft: one token per request, the first
+n_layers layers only, K/V written to the same pool.
 """
 from __future__ import annotations
 
@@ -51,25 +54,38 @@ class ModelRunner:
 
     @torch.inference_mode()
     def execute(self, batch: ScheduledBatch) -> torch.Tensor:
-        """Run the step; logits (M, vocab) for each request whose tokens are now all computed
-        (it samples its next token), in batch order."""
-        dev, bs = self.model.device, self.pool.block_size
-        ids, positions, slots, logit_rows = [], [], [], []
-        q_lens, k_lens, tables = [], [], []
+        """Run the step; logits (M, vocab) in batch order: for each request whose tokens are now all
+        computed, its last token's row, or with drafts, 1 + len(drafts) rows (its sampled token, each draft)."""
+        ids, positions, logit_rows, q_lens, k_lens, reqs = [], [], [], [], [], []
         for req, n in zip(batch.requests, batch.num_new_tokens):
-            start, table = req.num_computed_tokens, self.pool.tables[req.request_id]
-            ids += req.token_slice(start, start + n)
+            start, d = req.num_computed_tokens, len(req.spec_token_ids)
+            ids += req.token_slice(start, start + n - d) + req.spec_token_ids
             positions += range(start, start + n)
-            slots += [table[p // bs] * bs + p % bs for p in range(start, start + n)]
             q_lens.append(n)
             k_lens.append(start + n)
-            tables.append(table)
-            if start + n == req.num_tokens:
-                logit_rows.append(len(ids) - 1)
+            reqs.append(req)
+            if start + n - d == req.num_tokens:
+                logit_rows += range(len(ids) - 1 - d, len(ids))
+        return self.forward(ids, positions, reqs, q_lens, k_lens, logit_rows)
+
+    @torch.inference_mode()
+    def draft_step(self, reqs, tokens: list[int], positions: list[int], n_layers: int) -> torch.Tensor:
+        """One token per request at the given positions (slots already in their tables), through the
+        first n_layers layers: a layer-skipping draft. Logits (len(reqs), vocab)."""
+        return self.forward(tokens, positions, reqs, [1] * len(reqs), [p + 1 for p in positions],
+                            list(range(len(reqs))), n_layers)
+
+    def forward(self, ids, positions, reqs, q_lens, k_lens, logit_rows, n_layers=None) -> torch.Tensor:
+        """ids/positions (N,) packed by request; q_lens[i] tokens of reqs[i] end at key k_lens[i]."""
+        dev, bs = self.model.device, self.pool.block_size
+        tables = [self.pool.tables[r.request_id] for r in reqs]
+        slots = [table[p // bs] * bs + p % bs
+                 for table, q, k in zip(tables, q_lens, k_lens) for p in range(k - q, k)]
         attn_fn = self._attention_fn(q_lens, k_lens, tables)
         logits = self.model(torch.tensor([ids], device=dev), torch.tensor(positions, device=dev),
                             cache=_SlotWriter(self.pool, torch.tensor(slots, device=dev)),
-                            attn_fn=attn_fn, logit_indices=torch.tensor(logit_rows, device=dev, dtype=torch.long))
+                            attn_fn=attn_fn, logit_indices=torch.tensor(logit_rows, device=dev, dtype=torch.long),
+                            n_layers=n_layers)
         return logits[0]                                                           # (M, vocab)
 
     def _attention_fn(self, q_lens, k_lens, tables):

@@ -20,6 +20,12 @@ request's full blocks already in the cache, takes those blocks and counts their 
 only the rest is scheduled. At least the last prompt token is always computed (its logits are
 needed), and a cached block is never written: when every block hits, the last one is recomputed.
 
+With speculative decoding (`num_speculative_tokens` = k > 0), a decoding request is given room for
+1 + k tokens: its sampled token and up to k drafts, proposed after scheduling and verified in the
+same pass (`engine/speculation.py`). Drafts count against the budget like any token; they shrink to
+fit the budget, the request's max_tokens and the context, and to nothing before they would cost a
+preemption.
+
 `policy="static"` is the baseline: admit a whole batch (up to `max_num_seqs` whose
 tokens fit the pool) when nothing is running, run it until its last request ends, and
 only then admit the next. The slots of finished requests stay empty meanwhile: the
@@ -44,20 +50,23 @@ class ScheduledBatch:
     num_computed_tokens (the scheduler has already made room for them in the pool)."""
     requests: list[Request] = field(default_factory=list)
     num_new_tokens: list[int] = field(default_factory=list)
+    num_spec_slots: list[int] = field(default_factory=list)   # of num_new_tokens, room for drafts
     preempted: list[Request] = field(default_factory=list)
 
     @property
     def total_tokens(self) -> int:
         return sum(self.num_new_tokens)
 
-    def add(self, req: Request, n: int) -> None:
+    def add(self, req: Request, n: int, spec: int = 0) -> None:
         self.requests.append(req)
         self.num_new_tokens.append(n)
+        self.num_spec_slots.append(spec)
 
 
 class Scheduler:
     def __init__(self, pool: BlockPool, max_num_seqs: int = 64, max_num_batched_tokens: int = 512,
-                 policy: str = "continuous", enable_chunked_prefill: bool = True, prefix_caching: bool = False):
+                 policy: str = "continuous", enable_chunked_prefill: bool = True, prefix_caching: bool = False,
+                 num_speculative_tokens: int = 0, max_len: int | None = None):
         if policy not in POLICIES:
             raise ValueError(f"policy must be one of {POLICIES}; got {policy!r}")
         if max_num_seqs < 1 or max_num_batched_tokens < 1:
@@ -67,6 +76,8 @@ class Scheduler:
         self.max_num_seqs, self.max_num_batched_tokens = max_num_seqs, max_num_batched_tokens
         self.chunked = enable_chunked_prefill
         self.prefix_caching = prefix_caching
+        self.num_speculative_tokens = num_speculative_tokens
+        self.max_len = max_len or pool.num_blocks * pool.block_size
         self.waiting: deque[Request] = deque()
         self.running: list[Request] = []        # in order of admission
         self.num_preemptions = 0
@@ -98,6 +109,12 @@ class Scheduler:
             req = self.running[i]
             n = self._tokens_for(req, budget)
             if n == 0:
+                i += 1
+                continue
+            spec = self._spec_slots(req, n, budget)
+            if spec:
+                self._start(req, 1 + spec, batch, spec)
+                budget -= 1 + spec
                 i += 1
                 continue
             while not self.pool.can_append(req.request_id, n):
@@ -133,11 +150,22 @@ class Scheduler:
             return n
         return budget if self.chunked else 0
 
-    def _start(self, req: Request, n: int, batch: ScheduledBatch) -> None:
+    def _spec_slots(self, req: Request, n: int, budget: int) -> int:
+        """Room for drafts after a decoding request's sampled token: at most k, within the budget, the
+        request's max_tokens and the context, and only while the pool has the blocks without preempting."""
+        if not self.num_speculative_tokens or n != 1 or not req.output_token_ids:
+            return 0
+        spec = min(self.num_speculative_tokens, budget - 1,
+                   req.params.max_tokens - len(req.output_token_ids) - 1, self.max_len - req.num_tokens - 1)
+        while spec > 0 and not self.pool.can_append(req.request_id, 1 + spec):
+            spec -= 1
+        return max(spec, 0)
+
+    def _start(self, req: Request, n: int, batch: ScheduledBatch, spec: int = 0) -> None:
         self.pool.grow(req.request_id, n)                    # room for the n new tokens' K/V
         if req.first_scheduled_time is None:
             req.first_scheduled_time = time.perf_counter()
-        batch.add(req, n)
+        batch.add(req, n, spec)
 
     def _preempt(self, req: Request) -> None:
         """Free the blocks; recompute prompt + output later. The output so far is kept."""

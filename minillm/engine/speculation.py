@@ -1,0 +1,96 @@
+"""Speculative decoding in the engine: drafts for every decoding request, verified in the step's pass.
+
+    schedule  a decoding request gets room for 1 + k tokens (scheduler.py: drafts count against the budget)
+    propose   drafts for each such request: n-gram lookup in its own tokens (any proposer that needs
+              nothing but the tokens works the same way), or a layer-skipping draft run for all at once (k passes of one token per request through the first N layers,
+              writing K/V into the pool: the target's layers < N would compute the same)
+    execute   one forward pass over everything scheduled; logits at the sampled token and every draft
+    verify    per request, the exact rule (speculative/verify.py): accepted drafts + one more token
+    roll back num_computed_tokens covers the sampled token and the accepted drafts; blocks past it
+              return to the pool; only blocks full of accepted tokens enter the prefix cache
+
+Each request drafts as many tokens as its room allows, so one request near its max_tokens or a tight
+budget never holds the others back.
+"""
+from __future__ import annotations
+
+import torch
+
+from ..sampling import filtered_probs
+from ..speculative import DraftModelProposer, LayerSkipProposer, make_proposer, target_probs
+from ..speculative import verify as verify_rule
+from ..speculative import verify_greedy
+from .request import Request
+from .scheduler import ScheduledBatch
+
+
+class Speculator:
+    def __init__(self, proposer, runner, num_speculative_tokens: int):
+        if not isinstance(num_speculative_tokens, int) or num_speculative_tokens < 1:
+            raise ValueError(f"num_speculative_tokens must be an integer >= 1; got {num_speculative_tokens!r}")
+        self.proposer = make_proposer(proposer)
+        if isinstance(self.proposer, DraftModelProposer):
+            raise ValueError("a separate draft model keeps one sequence's cache: the engine drafts with 'ngram', "
+                             "'layers:N' or a proposer that needs only the token ids")
+        n_layers = runner.model.cfg.n_layers
+        if isinstance(self.proposer, LayerSkipProposer) and self.proposer.n_layers >= n_layers:
+            raise ValueError(f"a layer-skipping draft needs fewer layers than the model's {n_layers}; "
+                             f"got {self.proposer.n_layers}")
+        self.runner, self.k = runner, num_speculative_tokens
+        self.num_drafts = self.num_draft_tokens = self.num_accepted_tokens = 0   # vLLM's counters
+
+    # ------------------------------------------------------------ propose
+    def propose(self, batch: ScheduledBatch) -> None:
+        """Fill req.spec_token_ids (and spec_probs) of every request with room for drafts; a request
+        that gets fewer drafts than its room computes fewer tokens."""
+        todo = [(i, r, s) for i, (r, s) in enumerate(zip(batch.requests, batch.num_spec_slots)) if s]
+        if not todo:
+            return
+        if isinstance(self.proposer, LayerSkipProposer):
+            self._draft_layers([r for _, r, _ in todo], [s for _, _, s in todo])
+        else:
+            for _, req, s in todo:
+                drafts, probs = self.proposer.propose(req.all_token_ids, s)
+                req.spec_token_ids, req.spec_probs = list(drafts)[:s], probs
+        for i, req, s in todo:
+            batch.num_new_tokens[i] = 1 + len(req.spec_token_ids)
+
+    @torch.inference_mode()
+    def _draft_layers(self, reqs: list[Request], room: list[int]) -> None:
+        """k passes through the first N layers, one token per request still drafting."""
+        n_layers = self.proposer.n_layers
+        last = [r.output_token_ids[-1] for r in reqs]                       # sampled, not yet computed
+        drafts: list[list[int]] = [[] for _ in reqs]
+        probs: list[list[torch.Tensor]] = [[] for _ in reqs]
+        for j in range(max(room)):
+            active = [i for i, s in enumerate(room) if s > j]
+            tokens = [drafts[i][-1] if j else last[i] for i in active]
+            positions = [reqs[i].num_computed_tokens + j for i in active]
+            logits = self.runner.draft_step([reqs[i] for i in active], tokens, positions, n_layers)  # (A, vocab)
+            greedy = logits.argmax(dim=-1).tolist()
+            for row, i in enumerate(active):
+                params = reqs[i].params
+                if params.greedy:
+                    drafts[i].append(greedy[row])
+                    continue
+                q = filtered_probs(logits[row], params)                       # (vocab,)
+                g = reqs[i].generator
+                drafts[i].append(int(torch.multinomial(q.to(g.device), 1, generator=g)))
+                probs[i].append(q)
+        for i, r in enumerate(reqs):
+            r.spec_token_ids = drafts[i]
+            r.spec_probs = torch.stack(probs[i]) if probs[i] else None
+
+    # ------------------------------------------------------------ verify
+    def verify(self, req: Request, logits: torch.Tensor) -> list[int]:
+        """logits (1 + drafts, vocab) -> the tokens to emit (accepted drafts + one), counted."""
+        drafts = req.spec_token_ids
+        if req.params.greedy:
+            new = verify_greedy(drafts, logits.argmax(dim=-1).tolist())
+        else:
+            new = verify_rule(drafts, req.spec_probs, target_probs(logits, req.params), req.generator)
+        self.num_drafts += 1
+        self.num_draft_tokens += len(drafts)
+        self.num_accepted_tokens += len(new) - 1
+        req.spec_token_ids, req.spec_probs = [], None
+        return new
