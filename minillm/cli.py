@@ -42,6 +42,28 @@ def _add_sampling_args(p, max_tokens=128):
     p.add_argument("--seed", type=int, default=None)
 
 
+def _add_speculative_args(p):
+    p.add_argument("--speculative", default=None, metavar="ngram|layers:N",
+                   help="speculative decoding (stages kv, flash, paged, continuous): n-gram prompt lookup, "
+                        "or the model's first N layers as the draft")
+    p.add_argument("--num-speculative-tokens", type=int, default=4, metavar="K", help="drafts per step (default 4)")
+
+
+def _check_speculative(args) -> None:
+    if args.speculative is None:
+        return
+    from .speculative import make_proposer
+
+    try:
+        make_proposer(args.speculative)
+    except ValueError as e:
+        _fail(str(e))
+    if args.stage == "naive":
+        _fail("--speculative needs a stage with a KV cache to roll back: kv, flash, paged or continuous")
+    if args.num_speculative_tokens < 1:
+        _fail(f"--num-speculative-tokens must be >= 1; got {args.num_speculative_tokens}")
+
+
 def build_parser() -> argparse.ArgumentParser:
     parser = _Parser(prog="python -m minillm", description="minillm: a small LLM inference engine")
     sub = parser.add_subparsers(dest="command", required=True, parser_class=_Parser)
@@ -52,11 +74,13 @@ def build_parser() -> argparse.ArgumentParser:
     g.add_argument("--json", action="store_true", help="print one JSON object instead of streaming text")
     _add_model_args(g)
     _add_sampling_args(g)
+    _add_speculative_args(g)
 
     c = sub.add_parser("chat", help="chat in the terminal (/reset clears, /exit or Ctrl-D quits)")
     c.add_argument("--system", default=None, help="a system message")
     _add_model_args(c)
     _add_sampling_args(c, max_tokens=256)
+    _add_speculative_args(c)
 
     co = sub.add_parser("course", help="open the course notebooks in JupyterLab")
     co.add_argument("--port", type=int, default=None)
@@ -120,30 +144,44 @@ def cmd_generate(args) -> None:
     from .generate import Generation, check_prompt, stream
 
     params = _sampling(args)
+    _check_speculative(args)
     model, tok, device = _load(args)
     ids = tok.apply_chat_template([{"role": "user", "content": args.prompt}]) if args.chat else tok.encode(args.prompt)
     check_prompt(ids, model.cfg.max_seq_len)
     result = Generation(prompt_tokens=len(ids))
-    for piece in stream(model, tok, ids, params, args.stage, result=result):
-        if not args.json:
-            print(piece, end="", flush=True)
+    try:
+        for piece in stream(model, tok, ids, params, args.stage, result=result, speculative=args.speculative,
+                            num_speculative_tokens=args.num_speculative_tokens):
+            if not args.json:
+                print(piece, end="", flush=True)
+    except ValueError as e:          # e.g. a draft with more layers than the model has
+        _fail(str(e))
+    spec = {}
+    if args.speculative is not None:
+        spec = {"speculative": args.speculative, "num_speculative_tokens": args.num_speculative_tokens,
+                "acceptance_rate": result.acceptance_rate, "mean_accepted_tokens": result.mean_accepted_tokens,
+                "spec_drafts": result.spec_drafts, "spec_draft_tokens": result.spec_draft_tokens,
+                "spec_accepted_tokens": result.spec_accepted_tokens}
     if args.json:
         print(json.dumps({
             "prompt_tokens": result.prompt_tokens, "token_ids": result.token_ids, "text": result.text,
             "ttft_s": result.ttft_s, "decode_tokens_per_s": result.decode_tokens_per_s,
             "prefill_tokens_per_s": result.prefill_tokens_per_s, "finish_reason": result.finish_reason,
-            "stage": result.stage, "device": device, "model": model.cfg.name,
+            "stage": result.stage, "device": device, "model": model.cfg.name, **spec,
         }))
     else:
         print()
+        extra = (f"; {args.speculative} k={args.num_speculative_tokens}: {result.acceptance_rate:.0%} of drafts "
+                 f"accepted, {result.mean_accepted_tokens:.2f} per pass" if spec else "")
         print(f"[{len(result.token_ids)} tokens, {result.finish_reason}; ttft {result.ttft_s * 1e3:.0f} ms, "
-              f"decode {result.decode_tokens_per_s:.1f} tok/s, stage {result.stage}, {device}]", file=sys.stderr)
+              f"decode {result.decode_tokens_per_s:.1f} tok/s, stage {result.stage}, {device}{extra}]", file=sys.stderr)
 
 
 def cmd_chat(args) -> None:
     from .generate import stream
 
     params = _sampling(args)
+    _check_speculative(args)
     model, tok, device = _load(args)
     base = [{"role": "system", "content": args.system}] if args.system else []
     messages = list(base)
@@ -171,7 +209,8 @@ def cmd_chat(args) -> None:
         print("bot> ", end="", flush=True)
         reply = []
         try:
-            for piece in stream(model, tok, ids, params, args.stage):
+            for piece in stream(model, tok, ids, params, args.stage, speculative=args.speculative,
+                                num_speculative_tokens=args.num_speculative_tokens):
                 reply.append(piece)
                 print(piece, end="", flush=True)
         except KeyboardInterrupt:

@@ -28,7 +28,25 @@ def test_generate_streams_text(stage):
     assert f"stage {stage}" in r.stderr and "tok/s" in r.stderr
 
 
+@pytest.mark.parametrize("stage", ["kv", "continuous"])
+def test_generate_speculative_json_reports_acceptance(stage):
+    prompt = "Repeat exactly: one fish, two fish, red fish, blue fish."
+    plain = json.loads(run("generate", prompt, "--chat", "--stage", "kv", "--max-tokens", "16", "--json").stdout)
+    r = run("generate", prompt, "--chat", "--stage", stage, "--max-tokens", "16", "--json",
+            "--speculative", "ngram", "--num-speculative-tokens", "3")
+    assert r.returncode == 0, r.stderr
+    out = json.loads(r.stdout)
+    assert out["token_ids"] == plain["token_ids"]                      # greedy: the same tokens
+    assert 0 < out["acceptance_rate"] <= 1 and out["mean_accepted_tokens"] > 0
+    assert out["speculative"] == "ngram" and out["num_speculative_tokens"] == 3
+
+
 @pytest.mark.parametrize("args, message", [
+    (["generate", "hi", "--speculative", "magic"], "unknown speculative proposer"),
+    (["generate", "hi", "--speculative", "ngram", "--stage", "naive"], "needs a stage with a KV cache"),
+    (["generate", "hi", "--speculative", "ngram", "--stage", "kv", "--num-speculative-tokens", "0"],
+     "--num-speculative-tokens must be >= 1"),
+    (["generate", "hi", "--speculative", "layers:99", "--stage", "kv"], "fewer layers"),
     (["generate", "hi", "--stage", "warp"], "invalid choice: 'warp'"),
     (["generate", "hi", "--temperature", "-1"], "temperature must be >= 0"),
     (["generate", "hi", "--top-p", "1.5"], "top_p must be in (0, 1]"),
