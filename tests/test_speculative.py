@@ -97,10 +97,11 @@ def test_stop_string_inside_an_accepted_run(model, tokenizer, refs):
     assert (g.text, g.finish_reason) == (plain.text, "stop")
 
 
-def test_paged_stage(model, tokenizer, refs):
-    """The paged stage (Triton kernels, interpreted on a CPU: slow, so a short run)."""
+@pytest.mark.parametrize("stage", ["flash", "paged"])
+def test_triton_stages(model, tokenizer, refs, stage):
+    """The flash and paged stages (Triton kernels, interpreted on a CPU: slow, so a short run)."""
     ids, ref = refs["passage"]
-    g = generate(model, tokenizer, ids, SamplingParams(max_tokens=6), stage="paged",
+    g = generate(model, tokenizer, ids, SamplingParams(max_tokens=6), stage=stage,
                  speculative="ngram", num_speculative_tokens=3)
     assert g.token_ids == ref.token_ids[:6] and g.spec_accepted_tokens > 0
 

@@ -1,0 +1,106 @@
+"""Measuring speculative decoding: what a verification pass costs, and what each proposer gains.
+
+    pass_costs(model, context, max_tokens)    time of one pass over 1..T new tokens after a context,
+                                              relative to one token: is a (k + 1)-token pass "free"?
+    draft_cost(model, n_layers, context)      one layer-skipping draft step / one full decode step
+    run_tasks(model, tok, tasks, configs)     per prompt: plain kv decoding and each proposer, alternated
+                                              in one run; tokens/s, acceptance, tokens per pass, exactness
+"""
+from __future__ import annotations
+
+import statistics
+
+import torch
+from tqdm.auto import tqdm
+
+from ..generate import generate
+from ..metrics import median_time
+from ..runners import make_runner
+from ..sampling import SamplingParams
+
+
+def _runner_after(model, context: int, max_len: int):
+    runner = make_runner(model, "kv", max_len=max_len)
+    runner.prefill(torch.randint(0, 1000, (context,), generator=torch.Generator().manual_seed(0)).tolist())
+    return runner
+
+
+def pass_costs(model, context: int = 200, max_tokens: int = 9, repeats: int = 7) -> dict[int, float]:
+    """Median seconds of extend(T tokens) then truncate back, after `context` tokens, for T = 1..max_tokens.
+    Rounds alternate over T, so a slow moment of the machine hits every T alike."""
+    runner = _runner_after(model, context, context + max_tokens + 1)
+
+    def step(T):
+        runner.extend(list(range(100, 100 + T)))
+        runner.truncate(context)
+    for T in range(1, max_tokens + 1):          # warm-up
+        step(T)
+    times: dict[int, list[float]] = {T: [] for T in range(1, max_tokens + 1)}
+    for _ in range(repeats):
+        for T in times:
+            times[T].append(median_time(lambda: step(T), repeats=1, warmup=0))
+    return {T: statistics.median(ts) for T, ts in times.items()}
+
+
+def draft_cost(model, n_layers: int, context: int = 200, repeats: int = 9) -> float:
+    """c: one draft step through the first n_layers layers (and the head) / one full decode step."""
+    runner = _runner_after(model, context, context + 2)
+
+    def step(n):
+        runner.extend([123], n_layers=n)
+        runner.truncate(context)
+    times = {}
+    for _ in range(repeats):                    # alternate, so a slow patch hits both
+        for n in (n_layers, None):
+            times.setdefault(n, []).append(median_time(lambda: step(n), repeats=1, warmup=0))
+    return statistics.median(times[n_layers]) / statistics.median(times[None])
+
+
+def run_tasks(model, tokenizer, tasks: list[dict], configs: list[tuple[str, int]], max_tokens: int = 128,
+              progress: bool = True) -> list[dict]:
+    """For each task prompt: plain kv decoding, then every (proposer, k), in one alternating run.
+    Returns a row per (prompt, system) with decode tokens/s, the speculative counters and `same`
+    (greedy tokens identical to plain decoding)."""
+    params = SamplingParams(max_tokens=max_tokens)
+    warm = tokenizer.apply_chat_template([{"role": "user", "content": tasks[0]["prompt"]}])
+    generate(model, tokenizer, warm, SamplingParams(max_tokens=8), stage="kv")       # warm-up, not timed
+    for spec, k in configs:
+        generate(model, tokenizer, warm, SamplingParams(max_tokens=8), stage="kv", speculative=spec,
+                 num_speculative_tokens=k)
+    rows = []
+    bar = tqdm(total=len(tasks) * (1 + len(configs)), desc="speculative", disable=not progress)
+    for t in tasks:
+        ids = tokenizer.apply_chat_template([{"role": "user", "content": t["prompt"]}])
+        base = generate(model, tokenizer, ids, params, stage="kv")
+        bar.update()
+        rows.append({"task": t["task"], "name": t["name"], "system": "kv", "k": 0,
+                     "tokens": len(base.token_ids), "decode_tokens_per_s": base.decode_tokens_per_s, "same": True})
+        for spec, k in configs:
+            g = generate(model, tokenizer, ids, params, stage="kv", speculative=spec, num_speculative_tokens=k)
+            bar.update()
+            rows.append({"task": t["task"], "name": t["name"], "system": spec, "k": k, "tokens": len(g.token_ids),
+                         "decode_tokens_per_s": g.decode_tokens_per_s, "same": g.token_ids == base.token_ids,
+                         "acceptance_rate": g.acceptance_rate, "mean_accepted_tokens": g.mean_accepted_tokens,
+                         "spec_drafts": g.spec_drafts, "spec_draft_tokens": g.spec_draft_tokens,
+                         "spec_accepted_tokens": g.spec_accepted_tokens,
+                         "speedup": g.decode_tokens_per_s / base.decode_tokens_per_s})
+    bar.close()
+    return rows
+
+
+def summarize_tasks(rows: list[dict]) -> list[dict]:
+    """Per task type and system: median speedup over kv, acceptance (pooled over prompts), tokens per pass."""
+    out = []
+    keys = sorted({(r["task"], r["system"], r["k"]) for r in rows if r["system"] != "kv"},
+                  key=lambda x: (x[0], x[1], x[2]))
+    for task, system, k in keys:
+        rs = [r for r in rows if (r["task"], r["system"], r["k"]) == (task, system, k)]
+        drafted = sum(r["spec_draft_tokens"] for r in rs)
+        accepted = sum(r["spec_accepted_tokens"] for r in rs)
+        passes = sum(r["spec_drafts"] for r in rs)
+        out.append({"task": task, "system": system, "k": k, "prompts": len(rs),
+                    "speedup_median": statistics.median(r["speedup"] for r in rs),
+                    "acceptance_rate": accepted / drafted if drafted else 0.0,
+                    "mean_accepted_tokens": accepted / passes if passes else 0.0,
+                    "all_same": all(r["same"] for r in rs)})
+    return out
