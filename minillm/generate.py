@@ -166,7 +166,7 @@ def _stream_engine(model, tokenizer, prompt_ids, params, result, speculative=Non
     extra = k + 1 if speculative is not None else 0          # room for drafts being verified
     blocks = -(-min(len(prompt_ids) + params.max_tokens + extra, model.cfg.max_seq_len) // block)
     llm = LLM(model, tokenizer, max_num_seqs=1, block_size=block, num_blocks=blocks, verbose=False,
-              **({"speculative": speculative, "num_speculative_tokens": k} if speculative is not None else {}))
+              speculative=speculative, num_speculative_tokens=k)
     out = result if result is not None else Generation(prompt_tokens=len(prompt_ids))
     out.prompt_tokens, out.stage = len(prompt_ids), "continuous"
     sent = 0

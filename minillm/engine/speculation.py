@@ -16,8 +16,8 @@ from __future__ import annotations
 
 import torch
 
-from ..sampling import filtered_probs
 from ..speculative import DraftModelProposer, LayerSkipProposer, make_proposer, target_probs
+from ..speculative.proposers import pick_draft
 from ..speculative import verify as verify_rule
 from ..speculative import verify_greedy
 from .request import Request
@@ -32,10 +32,8 @@ class Speculator:
         if isinstance(self.proposer, DraftModelProposer):
             raise ValueError("a separate draft model keeps one sequence's cache: the engine drafts with 'ngram', "
                              "'layers:N' or a proposer that needs only the token ids")
-        n_layers = runner.model.cfg.n_layers
-        if isinstance(self.proposer, LayerSkipProposer) and self.proposer.n_layers >= n_layers:
-            raise ValueError(f"a layer-skipping draft needs fewer layers than the model's {n_layers}; "
-                             f"got {self.proposer.n_layers}")
+        if isinstance(self.proposer, LayerSkipProposer):
+            self.proposer.check(runner.model)
         self.runner, self.k = runner, num_speculative_tokens
         self.num_drafts = self.num_draft_tokens = self.num_accepted_tokens = 0   # vLLM's counters
 
@@ -67,16 +65,11 @@ class Speculator:
             tokens = [drafts[i][-1] if j else last[i] for i in active]
             positions = [reqs[i].num_computed_tokens + j for i in active]
             logits = self.runner.draft_step([reqs[i] for i in active], tokens, positions, n_layers)  # (A, vocab)
-            greedy = logits.argmax(dim=-1).tolist()
             for row, i in enumerate(active):
-                params = reqs[i].params
-                if params.greedy:
-                    drafts[i].append(greedy[row])
-                    continue
-                q = filtered_probs(logits[row], params)                       # (vocab,)
-                g = reqs[i].generator
-                drafts[i].append(int(torch.multinomial(q.to(g.device), 1, generator=g)))
-                probs[i].append(q)
+                token, q = pick_draft(logits[row], reqs[i].params, reqs[i].generator)
+                drafts[i].append(token)
+                if q is not None:
+                    probs[i].append(q)
         for i, r in enumerate(reqs):
             r.spec_token_ids = drafts[i]
             r.spec_probs = torch.stack(probs[i]) if probs[i] else None

@@ -30,7 +30,7 @@ def speculative_decode(model, prompt_ids: list[int], params: SamplingParams, sta
     if stage not in ("kv", "flash", "paged"):
         raise ValueError(f"speculative decoding needs a stage with a KV cache to roll back: kv, flash, paged "
                          f"or continuous; got {stage!r}")
-    proposer = make_proposer(proposer, model)
+    proposer = make_proposer(proposer)
     out, P = sink.out, len(prompt_ids)
     runner = make_runner(model, stage, max_len=min(P + params.max_tokens + k + 1, model.cfg.max_seq_len))
     gen = None if params.greedy else make_generator(params.seed)

@@ -36,12 +36,16 @@ class Proposer:
         raise NotImplementedError
 
     def _pick(self, logits: torch.Tensor) -> tuple[int, torch.Tensor | None]:
-        """A draft token from logits (vocab,): the argmax for greedy, else drawn from the filtered
-        distribution q (returned, as the rejection rule needs it)."""
-        if self.params.greedy:
-            return int(logits.argmax()), None
-        q = filtered_probs(logits, self.params)                                  # (vocab,)
-        return int(torch.multinomial(q.to(self.generator.device), 1, generator=self.generator)), q
+        return pick_draft(logits, self.params, self.generator)
+
+
+def pick_draft(logits: torch.Tensor, params: SamplingParams, generator) -> tuple[int, torch.Tensor | None]:
+    """A draft token from logits (vocab,): the argmax for greedy, else drawn from the filtered
+    distribution q (returned, as the rejection rule needs it)."""
+    if params.greedy:
+        return int(logits.argmax()), None
+    q = filtered_probs(logits, params)                                           # (vocab,)
+    return int(torch.multinomial(q.to(generator.device), 1, generator=generator)), q
 
 
 class NgramProposer(Proposer):
@@ -79,13 +83,16 @@ class LayerSkipProposer(Proposer):
         self.n_layers = n_layers
         self.name = f"layers:{n_layers}"
 
+    def check(self, model) -> None:
+        if self.n_layers >= model.cfg.n_layers:
+            raise ValueError(f"a layer-skipping draft needs fewer layers than the model's "
+                             f"{model.cfg.n_layers}; got {self.n_layers}")
+
     def start(self, runner, params, generator) -> None:
         super().start(runner, params, generator)
         if not hasattr(runner, "extend"):
             raise ValueError(f"the {runner.name} stage keeps no KV cache to draft into: use kv, flash or paged")
-        if self.n_layers >= runner.model.cfg.n_layers:
-            raise ValueError(f"a layer-skipping draft needs fewer layers than the model's "
-                             f"{runner.model.cfg.n_layers}; got {self.n_layers}")
+        self.check(runner.model)
         self.runner = runner
 
     def propose(self, token_ids, k):
@@ -138,7 +145,7 @@ class DraftModelProposer(Proposer):
         return drafts, None if self.params.greedy else torch.stack(qs)
 
 
-def make_proposer(spec, model=None) -> Proposer:
+def make_proposer(spec) -> Proposer:
     """'ngram', 'ngram:MIN-MAX', 'layers:N', or a Proposer (returned as is)."""
     if isinstance(spec, Proposer):
         return spec
