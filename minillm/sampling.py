@@ -22,6 +22,7 @@ class SamplingParams:
     stop: tuple[str, ...] = field(default_factory=tuple)  # stop when the text contains one of these
     seed: int | None = None      # same seed, same samples
     ignore_eos: bool = False     # keep going past end-of-text tokens (benchmarks: fixed-length outputs)
+    logprobs: int | None = None  # engine: report each token's log-probability and this many best alternatives
 
     def __post_init__(self):
         if isinstance(self.stop, str):
@@ -35,6 +36,9 @@ class SamplingParams:
             ("min_p", self.min_p, 0 <= self.min_p <= 1, "in [0, 1] (0 turns it off)"),
             ("max_tokens", self.max_tokens, isinstance(self.max_tokens, int) and self.max_tokens >= 1, "an integer >= 1"),
         ]
+        if self.logprobs is not None:
+            checks.append(("logprobs", self.logprobs, isinstance(self.logprobs, int) and 0 <= self.logprobs <= 20,
+                           "an integer in [0, 20] (or None for no log-probabilities)"))
         for name, value, ok, allowed in checks:
             if not ok or value != value:  # value != value catches NaN
                 raise ValueError(f"{name} must be {allowed}; got {value!r}")

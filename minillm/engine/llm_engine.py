@@ -13,6 +13,7 @@ long as the engine.
 """
 from __future__ import annotations
 
+import dataclasses
 import logging
 import time
 
@@ -22,7 +23,7 @@ from ..generate import first_stop
 from ..kv import BlockPool, kv_cache_bytes
 from ..kv.prefix_cache import PrefixCachingPool, chain_hashes
 from ..sampling import SamplingParams, sample_next_token
-from .request import Request, RequestMetrics, RequestOutput
+from .request import Request, RequestMetrics, RequestOutput, Status
 from .runner import ModelRunner
 from .scheduler import ScheduledBatch, Scheduler
 from .speculation import Speculator
@@ -76,13 +77,20 @@ class LLMEngine:
 
     # ------------------------------------------------------------ requests in
     def add_request(self, request_id, prompt_ids, params: SamplingParams | None = None,
-                    arrival_time: float | None = None, cache_salt: str | None = None) -> None:
+                    arrival_time: float | None = None, cache_salt: str | None = None, n: int = 1) -> list[str]:
         """Queue a request. Bad input raises ValueError for this request alone; nothing else changes.
-        cache_salt: requests with different salts never share cached blocks (e.g. one per user)."""
+        cache_salt: requests with different salts never share cached blocks (e.g. one per user).
+        n > 1: n samples of one prompt. The prompt is computed once; when it is done the request forks
+        into n that share its blocks (copy-on-write), ids request_id, request_id/1, ... (returned);
+        with a seed, sample i uses seed + i."""
         params = SamplingParams() if params is None else params
         if not isinstance(params, SamplingParams):
             raise ValueError(f"params must be a SamplingParams; got {type(params).__name__}")
-        if request_id in self.requests:
+        if not isinstance(n, int) or not 1 <= n <= self.scheduler.max_num_seqs:
+            raise ValueError(f"n must be an integer in [1, {self.scheduler.max_num_seqs}] (the engine runs at most "
+                             f"max_num_seqs sequences at once); got {n!r}")
+        ids = [request_id] + [f"{request_id}/{i}" for i in range(1, n)]
+        if any(i in self.requests for i in ids):
             raise ValueError(f"request id {request_id!r} is already in use by an unfinished request")
         prompt = self._check_prompt(prompt_ids)
         req = Request(request_id, prompt, params)
@@ -90,8 +98,11 @@ class LLMEngine:
             req.arrival_time = arrival_time
         req.decoder = self.tokenizer.stream_decoder()
         req.cache_salt = cache_salt
+        req.forks = [(rid, params if params.seed is None else dataclasses.replace(params, seed=params.seed + i))
+                     for i, rid in enumerate(ids[1:], 1)]
         self.requests[request_id] = req
         self.scheduler.add(req)
+        return ids
 
     def _check_prompt(self, prompt_ids) -> list[int]:
         if isinstance(prompt_ids, str):
@@ -121,10 +132,16 @@ class LLMEngine:
         self.scheduler.finish(req)
         req.finish("abort")
         self._aborted.append(req)
+        for rid, params in req.forks:                 # samples not forked yet end with it
+            kid = Request(rid, req.prompt_token_ids, params)
+            kid.finish("abort")
+            self._aborted.append(kid)
+        req.forks = []
         return True
 
     def has_unfinished_requests(self) -> bool:
-        return self.scheduler.has_unfinished()
+        """Requests queued or running, or aborted ones not yet reported by a step."""
+        return self.scheduler.has_unfinished() or bool(self._aborted)
 
     # ------------------------------------------------------------ one step
     def step(self) -> list[RequestOutput]:
@@ -150,6 +167,9 @@ class LLMEngine:
             if req.num_computed_tokens == req.num_tokens:
                 done.append(req)
                 rows.append((row, 1 + d))
+                for kid in self._fork(req) if req.forks else ():   # n > 1: the samples share the prompt
+                    done.append(kid)
+                    rows.append((row, 1))
                 row += 1 + d
             else:
                 self._register_full_blocks(req)
@@ -164,8 +184,11 @@ class LLMEngine:
                 req.num_computed_tokens += len(new) - 1                      # the accepted drafts' K/V stay
             if self.pool.lengths[req.request_id] > req.num_computed_tokens:  # rejected drafts, unused room
                 self.pool.truncate(req.request_id, req.num_computed_tokens)
-            for token in new:
+            for j, token in enumerate(new):
+                kept = len(req.output_token_ids)
                 self._append(req, token, now)
+                if req.logprobs is not None and len(req.output_token_ids) > kept:
+                    req.logprobs.append(_logprobs(logits[rows[i][0] + j], token, req.params.logprobs))
                 if req.finished:
                     break
             self._register_full_blocks(req)
@@ -173,6 +196,22 @@ class LLMEngine:
                 self.scheduler.finish(req)
             outputs.append(self._output(req))
         return self._forget(outputs)
+
+    def _fork(self, parent: Request) -> list[Request]:
+        """The prompt of an n > 1 request is computed: its samples start, sharing every block of it."""
+        kids = []
+        for rid, params in parent.forks:
+            kid = Request(rid, parent.prompt_token_ids, params, arrival_time=parent.arrival_time)
+            kid.decoder, kid.cache_salt = self.tokenizer.stream_decoder(), parent.cache_salt
+            kid.first_scheduled_time, kid.status = parent.first_scheduled_time, Status.RUNNING
+            kid.num_computed_tokens, kid.num_cached_tokens = parent.num_computed_tokens, parent.num_cached_tokens
+            kid.block_hashes, kid.num_hashed_blocks = list(parent.block_hashes), parent.num_hashed_blocks
+            self.pool.fork(parent.request_id, rid)             # no copy: the blocks' refcounts go up
+            self.scheduler.running.append(kid)
+            self.requests[rid] = kid
+            kids.append(kid)
+        parent.forks = []
+        return kids
 
     def _register_full_blocks(self, req: Request) -> None:
         """Blocks that are now full of computed K/V become findable by content (prompt and answer alike,
@@ -235,7 +274,7 @@ class LLMEngine:
             text = text[:max(0, len(text) - max(map(len, req.params.stop)) + 1)]
         return RequestOutput(req.request_id, req.prompt_token_ids, list(req.output_token_ids), text, req.finished,
                              req.finish_reason, RequestMetrics.of(req), req.num_preemptions, req.error,
-                             req.num_cached_tokens)
+                             req.num_cached_tokens, None if req.logprobs is None else list(req.logprobs))
 
     def _forget(self, outputs: list[RequestOutput]) -> list[RequestOutput]:
         for o in outputs:
@@ -253,3 +292,12 @@ class LLMEngine:
                 "prefix_cache_evictions": getattr(pool, "num_evictions", 0),
                 "spec_drafts": sp.num_drafts if sp else 0, "spec_draft_tokens": sp.num_draft_tokens if sp else 0,
                 "spec_accepted_tokens": sp.num_accepted_tokens if sp else 0}
+
+
+def _logprobs(logits: torch.Tensor, token: int, top: int) -> tuple[float, list[tuple[int, float]]]:
+    """logits (vocab,) -> the token's log-probability under the model (before temperature and filters,
+    as vLLM reports it) and the `top` most likely (id, log-probability)."""
+    lp = torch.log_softmax(logits.float(), dim=-1)
+    best = lp.topk(top) if top else None
+    pairs = list(zip(best.indices.tolist(), best.values.tolist())) if top else []
+    return float(lp[token]), pairs

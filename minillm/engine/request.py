@@ -58,10 +58,16 @@ class Request:
     # speculative decoding (engine/speculation.py): this step's drafts after the sampled token
     spec_token_ids: list[int] = field(default_factory=list)
     spec_probs: torch.Tensor | None = None      # (drafts, vocab) the draft's distributions; None: one-hot
+    # params.logprobs set: per output token (its log-probability, [(id, log-probability)] of the best ones)
+    logprobs: list[tuple[float, list[tuple[int, float]]]] | None = None
+    # n > 1: the siblings (id, params) forked off this request once its prompt is computed
+    forks: list[tuple[str, SamplingParams]] = field(default_factory=list)
 
     def __post_init__(self):
         if not self.params.greedy:
             self.generator = make_generator(self.params.seed)
+        if self.params.logprobs is not None:
+            self.logprobs = []
 
     @property
     def all_token_ids(self) -> list[int]:
@@ -132,3 +138,4 @@ class RequestOutput:
     num_preemptions: int = 0
     error: str | None = None
     num_cached_tokens: int = 0     # prompt tokens whose K/V came from the prefix cache
+    logprobs: list[tuple[float, list[tuple[int, float]]]] | None = None   # see Request.logprobs
