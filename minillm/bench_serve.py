@@ -41,6 +41,7 @@ class WorkItem:
     prompt_ids: list[int]
     output_len: int
     arrival_s: float          # seconds after the start of the run
+    prompt: str | list | None = None   # over HTTP: text or chat messages instead of prompt_ids (bench_http.py)
 
 
 @dataclass(slots=True)

@@ -1,4 +1,4 @@
-"""`python -m minillm generate | chat | bench | course`.
+"""`python -m minillm generate | chat | serve | bench | course`.
 
 Bad input (unknown stage, missing model, invalid sampling values, a prompt longer
 than the context) ends the command with one line on stderr that says what to
@@ -23,11 +23,12 @@ def _fail(msg: str) -> None:
     raise SystemExit(2)
 
 
-def _add_model_args(p):
+def _add_model_args(p, stage: bool = True):
     from .generate import ALL_STAGES
 
     p.add_argument("--model", default=None, help="a .gguf file or Hugging Face folder (default: the course model)")
-    p.add_argument("--stage", default="naive", choices=ALL_STAGES, help="which engine stage generates")
+    if stage:
+        p.add_argument("--stage", default="naive", choices=ALL_STAGES, help="which engine stage generates")
     p.add_argument("--threads", type=int, default=None, help="torch CPU threads (default: torch's choice)")
     p.add_argument("--device", default=None, help="cpu or cuda (default: cuda when there is one)")
 
@@ -82,6 +83,24 @@ def build_parser() -> argparse.ArgumentParser:
     _add_sampling_args(c, max_tokens=256)
     _add_speculative_args(c)
 
+    se = sub.add_parser("serve", help="an OpenAI-compatible HTTP server (/v1/completions, /v1/chat/completions, "
+                                      "/v1/models, /health, /metrics)")
+    se.add_argument("--host", default="127.0.0.1", help="address to bind (default 127.0.0.1: this machine only)")
+    se.add_argument("--port", type=int, default=8000)
+    se.add_argument("--api-key", default=None, help="require 'Authorization: Bearer KEY' (all but /health)")
+    se.add_argument("--served-model-name", default=None, help="the name clients send as 'model' (default: the model's)")
+    se.add_argument("--max-num-seqs", type=int, default=64, help="sequences per step at most (default 64)")
+    se.add_argument("--max-num-batched-tokens", type=int, default=512, help="tokens per step at most (default 512)")
+    se.add_argument("--kv-cache-memory", type=float, default=1.0, metavar="GIB", help="KV cache size (default 1 GiB)")
+    se.add_argument("--max-model-len", type=int, default=None, help="context per request (default: the model's)")
+    se.add_argument("--no-prefix-caching", action="store_true", help="turn the prefix cache off")
+    se.add_argument("--max-queued-requests", type=int, default=None,
+                    help="answer 503 when this many requests are already waiting (default: no limit)")
+    se.add_argument("--graceful-timeout", type=float, default=30.0,
+                    help="seconds running answers get to finish on shutdown (default 30)")
+    _add_model_args(se, stage=False)
+    _add_speculative_args(se)
+
     co = sub.add_parser("course", help="open the course notebooks in JupyterLab")
     co.add_argument("--port", type=int, default=None)
     co.add_argument("--dry-run", action="store_true", help="print the command instead of running it")
@@ -112,6 +131,14 @@ def build_parser() -> argparse.ArgumentParser:
                     help="every prompt starts with the same N tokens (a shared system prompt)")
     sv.add_argument("--no-prefix-caching", action="store_true", help="turn the engine's prefix cache off")
     sv.add_argument("--timeout", type=float, default=1800.0, help="seconds per system before giving up")
+    sv.add_argument("--url", default=None, help="load-test a running OpenAI-compatible server at this address "
+                                                "instead of the engine in this process")
+    sv.add_argument("--chat", action="store_true", help="with --url: send /v1/chat/completions (default: completions)")
+    sv.add_argument("--served-model-name", default=None, help="with --url: the 'model' to send (default: the "
+                                                               "server's first in /v1/models)")
+    sv.add_argument("--api-key", default=None, help="with --url: sent as a Bearer token")
+    sv.add_argument("--no-ignore-eos", action="store_true",
+                    help="with --url: do not send ignore_eos (for servers without it; outputs may end early)")
     b.add_argument("--model", default=None)
     b.add_argument("--threads", type=int, default=None)
     b.add_argument("--device", default=None)
@@ -247,9 +274,70 @@ def cmd_bench(args) -> None:
     print(json.dumps(report, indent=None if args.json else 2))
 
 
+def _serve_row(r: dict) -> str:
+    hit = r["prefix_cache_hit_rate"]
+    return (f"{r['system']:<13} {r['completed']:>5} {r['output_tokens_per_s']:>8.1f} "
+            f"{r['ttft_s']['p50'] or 0:>9.2f} {r['ttft_s']['p99'] or 0:>7.2f} {r['itl_s']['p50'] or 0:>8.3f} "
+            f"{r['itl_s']['p99'] or 0:>7.3f} {r['e2e_s']['p50'] or 0:>8.2f} {'-' if hit is None else f'{hit:.0%}':>9}")
+
+
+SERVE_HEADER = (f"{'system':<13} {'done':>5} {'tok/s':>8} {'TTFT p50':>9} {'p99':>7} {'ITL p50':>8} {'p99':>7} "
+                f"{'e2e p50':>8} {'cache hit':>9}  (seconds)")
+
+
+def cmd_serve(args) -> None:
+    from .engine import LLMEngine
+    from .server import serve
+
+    args.stage = "continuous"
+    _check_speculative(args)
+    if args.port < 0 or args.port > 65535 or args.max_num_seqs < 1 or args.max_num_batched_tokens < 1 or \
+            args.kv_cache_memory <= 0 or (args.max_queued_requests is not None and args.max_queued_requests < 1):
+        _fail("--port must be in [0, 65535]; --max-num-seqs, --max-num-batched-tokens and --max-queued-requests "
+              ">= 1; --kv-cache-memory > 0")
+    model, tok, device = _load(args)
+    engine = LLMEngine(model, tok, max_num_seqs=args.max_num_seqs, max_num_batched_tokens=args.max_num_batched_tokens,
+                       kv_cache_memory=int(args.kv_cache_memory * 2**30), max_model_len=args.max_model_len,
+                       enable_prefix_caching=not args.no_prefix_caching, speculative=args.speculative,
+                       num_speculative_tokens=args.num_speculative_tokens)
+    name = args.served_model_name or model.cfg.name
+    print(f"minillm: serving {name} on http://{args.host}:{args.port}/v1 ({device})", file=sys.stderr, flush=True)
+    serve(engine, name, args.host, args.port, args.api_key, args.max_queued_requests, args.graceful_timeout)
+
+
+def cmd_bench_http(args) -> None:
+    from .bench import machine_info
+    from .bench_http import load_text_workload, run_http_bench
+    from .bench_serve import load_workload, summarize_system
+
+    if args.max_concurrency < 1 or args.timeout <= 0 or args.num_requests < 1:
+        _fail("--max-concurrency and --num-requests must be >= 1 and --timeout > 0")
+    text = args.workload is not None and "prompt_tokens" not in open(args.workload).readline()
+    if text:
+        items = load_text_workload(args.workload, args.num_requests, args.max_tokens, args.request_rate)
+    else:
+        items = load_workload(args.workload, args.num_requests, args.length_scale, request_rate=args.request_rate)
+    if not args.json:
+        print(SERVE_HEADER, file=sys.stderr, flush=True)
+    replay = run_http_bench(args.url, items, model=args.served_model_name, chat=args.chat,
+                            max_concurrency=args.max_concurrency, ignore_eos=not args.no_ignore_eos,
+                            api_key=args.api_key, timeout_s=args.timeout)
+    result = summarize_system(args.url, replay)
+    if not args.json:
+        print(_serve_row(result), file=sys.stderr, flush=True)
+    workload = {"file": args.workload or "data/request_trace.jsonl", "url": args.url, "num_requests": len(items),
+                "request_rate": args.request_rate if args.request_rate != float("inf") else "inf",
+                "max_concurrency": args.max_concurrency, "chat": args.chat, "ignore_eos": not args.no_ignore_eos,
+                "mean_output_tokens": sum(w.output_len for w in items) / len(items)}
+    print(json.dumps({"machine": machine_info(), "workload": workload, "results": [result]}))
+
+
 def cmd_bench_serve(args) -> None:
     from .bench import load_transformers_peer, machine_info
     from .bench_serve import load_workload, run_serve_bench
+
+    if args.url is not None:
+        return cmd_bench_http(args)
 
     systems = [s.strip() for s in args.systems.split(",") if s.strip()]
     if not systems or any(s not in ("continuous", "static") for s in systems):
@@ -267,15 +355,10 @@ def cmd_bench_serve(args) -> None:
 
     def show(r):
         if not args.json:
-            hit = r["prefix_cache_hit_rate"]
-            print(f"{r['system']:<13} {r['completed']:>5} {r['output_tokens_per_s']:>8.1f} "
-                  f"{r['ttft_s']['p50'] or 0:>9.2f} {r['ttft_s']['p99'] or 0:>7.2f} {r['itl_s']['p50'] or 0:>8.3f} "
-                  f"{r['itl_s']['p99'] or 0:>7.3f} {r['e2e_s']['p50'] or 0:>8.2f} "
-                  f"{'-' if hit is None else f'{hit:.0%}':>9}", file=sys.stderr, flush=True)
+            print(_serve_row(r), file=sys.stderr, flush=True)
 
     if not args.json:
-        print(f"{'system':<13} {'done':>5} {'tok/s':>8} {'TTFT p50':>9} {'p99':>7} {'ITL p50':>8} {'p99':>7} "
-              f"{'e2e p50':>8} {'cache hit':>9}  (seconds)", file=sys.stderr, flush=True)
+        print(SERVE_HEADER, file=sys.stderr, flush=True)
     results, _ = run_serve_bench(model, tok, items, systems, hf_model=hf, max_concurrency=args.max_concurrency,
                                  engine_options={"max_num_batched_tokens": args.max_num_batched_tokens,
                                                  "enable_prefix_caching": not args.no_prefix_caching},
@@ -320,7 +403,8 @@ def main(argv=None) -> None:
 
     args = build_parser().parse_args(argv)
     try:
-        {"generate": cmd_generate, "chat": cmd_chat, "bench": cmd_bench, "course": cmd_course}[args.command](args)
+        {"generate": cmd_generate, "chat": cmd_chat, "bench": cmd_bench, "course": cmd_course,
+         "serve": cmd_serve}[args.command](args)
     except (ValueError, ModelNotFoundError) as e:
         _fail(str(e))
     except BrokenPipeError:

@@ -1,0 +1,338 @@
+"""The HTTP routes: OpenAI's API in front of one AsyncEngine.
+
+    GET  /v1/models             the model served
+    POST /v1/completions        prompt (text or token ids, one or a list) -> text
+    POST /v1/chat/completions   messages -> the assistant's answer
+    GET  /health                200 while the engine thread runs (no API key needed)
+    GET  /metrics               Prometheus text (metrics.py)
+
+`"stream": true` answers with server-sent events: one `data: {chunk}` per new piece of text and
+`data: [DONE]` at the end. A client that goes away mid-answer aborts its request: the engine frees
+its blocks before its next step. Every refusal is one JSON error in OpenAI's shape, and no refusal
+touches another request.
+"""
+from __future__ import annotations
+
+import asyncio
+import json
+import secrets
+import time
+import uuid
+from contextlib import asynccontextmanager
+
+from fastapi import FastAPI, Request
+from fastapi.responses import JSONResponse, Response, StreamingResponse
+from pydantic import ValidationError
+from starlette.exceptions import HTTPException as StarletteHTTPException
+
+from ..sampling import SamplingParams
+from .async_engine import AsyncEngine, QueueFull
+from .protocol import APIError, ChatRequest, CompletionRequest, validation_message
+
+MAX_BODY_BYTES = 1 << 20      # 1 MiB: far more than a full context of text or token ids
+
+
+def create_app(engine, model_name: str, api_key: str | None = None, max_queued_requests: int | None = None,
+               metrics=None) -> FastAPI:
+    """engine: an LLMEngine (its thread starts with the app). metrics: a ServerMetrics, or None for a new one."""
+    from .metrics import ServerMetrics
+
+    metrics = metrics or ServerMetrics(model_name)
+    aengine = AsyncEngine(engine, metrics, max_queued_requests)
+    tok = engine.tokenizer
+
+    @asynccontextmanager
+    async def lifespan(app):
+        aengine.start()
+        yield
+        aengine.stop()
+
+    app = FastAPI(title="minillm", lifespan=lifespan)
+    app.state.engine, app.state.metrics = aengine, metrics
+
+    @app.exception_handler(APIError)
+    async def api_error(request, e: APIError):
+        return JSONResponse(e.body(), status_code=e.status)
+
+    @app.exception_handler(StarletteHTTPException)
+    async def http_error(request, e):
+        msg = f"no route {request.method} {request.url.path}" if e.status_code in (404, 405) else str(e.detail)
+        return JSONResponse(APIError(e.status_code, msg).body(), status_code=e.status_code)
+
+    @app.middleware("http")
+    async def check_key(request: Request, call_next):
+        if api_key is not None and request.url.path != "/health":
+            given = request.headers.get("authorization", "")
+            if not secrets.compare_digest(given.encode(), f"Bearer {api_key}".encode()):
+                what = "a wrong API key" if given else "no API key"
+                e = APIError(401, f"{what}: send the header 'Authorization: Bearer <key>' with the server's "
+                                  f"--api-key", code="invalid_api_key")
+                return JSONResponse(e.body(), status_code=401)
+        return await call_next(request)
+
+    # ------------------------------------------------------------ simple routes
+    @app.get("/health")
+    async def health():
+        if not aengine.healthy:
+            return JSONResponse(APIError(503, f"the engine is not running: {aengine.error!r}").body(), 503)
+        return {"status": "ok"}
+
+    @app.get("/metrics")
+    async def get_metrics():
+        return Response(metrics.render(), media_type="text/plain; version=0.0.4; charset=utf-8")
+
+    @app.get("/v1/models")
+    async def models():
+        return {"object": "list", "data": [{"id": model_name, "object": "model", "created": int(time.time()),
+                                            "owned_by": "minillm", "max_model_len": engine.max_len}]}
+
+    # ------------------------------------------------------------ generation routes
+    @app.post("/v1/completions")
+    async def completions(request: Request):
+        body = await _parse(request, CompletionRequest)
+        prompts = body.prompt if isinstance(body.prompt, list) and body.prompt and \
+            isinstance(body.prompt[0], (str, list)) else [body.prompt]
+        ids = [tok.encode(p) if isinstance(p, str) else p for p in prompts]
+        return await _run(request, body, ids, chat=False)
+
+    @app.post("/v1/chat/completions")
+    async def chat_completions(request: Request):
+        body = await _parse(request, ChatRequest)
+        if not body.messages:
+            raise APIError(400, "'messages' is empty: give at least one message", "messages")
+        msgs = [{"role": "system" if m.role == "developer" else m.role, "content": m.text()} for m in body.messages]
+        try:
+            ids = tok.apply_chat_template(msgs)
+        except ValueError as e:
+            raise APIError(400, str(e), "messages") from None
+        return await _run(request, body, [ids], chat=True)
+
+    # ------------------------------------------------------------ the work
+    def _model_check(body) -> None:
+        if body.model != model_name:
+            raise APIError(404, f"the model '{body.model}' does not exist; this server has '{model_name}' "
+                                f"(GET /v1/models)", "model", "model_not_found")
+
+    def _params(body, prompt_len: int, chat: bool) -> SamplingParams:
+        max_tokens = body.max_completion_tokens if chat and body.max_completion_tokens is not None else body.max_tokens
+        limit = engine.max_len
+        if prompt_len >= limit:
+            raise APIError(400, f"this model's context is {limit} tokens and the prompt has {prompt_len}; "
+                                f"shorten it to at most {limit - 1}", "messages" if chat else "prompt",
+                           "context_length_exceeded")
+        if max_tokens is not None and max_tokens >= 1 and prompt_len + max_tokens > limit:
+            raise APIError(400, f"this model's context is {limit} tokens: the prompt has {prompt_len} and max_tokens "
+                                f"asks for {max_tokens} more; lower max_tokens to at most {limit - prompt_len} or "
+                                f"shorten the prompt", "max_tokens", "context_length_exceeded")
+        for name in ("frequency_penalty", "presence_penalty"):
+            if getattr(body, name) != 0:
+                raise APIError(400, f"'{name}' is not supported (only 0)", name)
+        if not 1 <= body.n <= engine.scheduler.max_num_seqs:
+            raise APIError(400, f"'n' must be in [1, {engine.scheduler.max_num_seqs}] (the sequences the server "
+                                f"runs at once); got {body.n}", "n")
+        logprobs = None
+        if chat and body.logprobs:
+            logprobs = body.top_logprobs or 0
+        elif chat and body.top_logprobs is not None:
+            raise APIError(400, "'top_logprobs' needs 'logprobs': true", "top_logprobs")
+        if body.temperature > 2:
+            raise APIError(400, f"'temperature' must be in [0, 2]; got {body.temperature}", "temperature")
+        try:
+            return SamplingParams(temperature=body.temperature, top_p=body.top_p, top_k=max(body.top_k, 0),
+                                  min_p=body.min_p, max_tokens=limit - prompt_len if max_tokens is None else max_tokens,
+                                  stop=body.stop or (), seed=body.seed, ignore_eos=body.ignore_eos, logprobs=logprobs)
+        except ValueError as e:
+            msg = str(e)
+            param = msg.split(" ", 1)[0]
+            raise APIError(400, msg.replace("logprobs", "top_logprobs") if param == "logprobs" else msg,
+                           "top_logprobs" if param == "logprobs" else param) from None
+
+    async def _run(request: Request, body, prompts: list[list[int]], chat: bool):
+        _model_check(body)
+        if not prompts or not all(prompts):
+            raise APIError(400, "the prompt is empty: give at least one token", "prompt")
+        params = [_params(body, len(p), chat) for p in prompts]
+        if len(prompts) * body.n > engine.scheduler.max_num_seqs:
+            raise APIError(400, f"{len(prompts)} prompts x n={body.n} is more than the {engine.scheduler.max_num_seqs} "
+                                f"sequences the server runs at once", "n")
+        for p in prompts:
+            try:
+                engine._check_prompt(p)
+            except ValueError as e:
+                raise APIError(400, str(e), "prompt") from None
+        rid = f"{'chatcmpl' if chat else 'cmpl'}-{uuid.uuid4().hex}"
+        if not aengine.healthy:
+            raise APIError(503, f"the engine is not running: {aengine.error!r}")
+        try:
+            aengine.check_room(len(prompts))
+        except QueueFull as e:
+            raise APIError(503, str(e), code="queue_full") from None
+        streams = [aengine.generate(f"{rid}-{i}", p, sp, body.n) for i, (p, sp) in enumerate(zip(prompts, params))]
+        index = {f"{rid}-{i}" + (f"/{j}" if j else ""): i * body.n + j for i in range(len(prompts)) for j in range(body.n)}
+        shape = _Shape(rid, model_name, chat, tok, sum(map(len, prompts)))
+        if body.stream:
+            usage = body.stream_options is not None and body.stream_options.include_usage
+            return StreamingResponse(_sse(shape, _merge(streams), index, usage), media_type="text/event-stream")
+        return await _whole(request, shape, _merge(streams), index)
+
+    return app
+
+
+async def _parse(request: Request, model):
+    size = request.headers.get("content-length")
+    if size is not None and size.isdigit() and int(size) > MAX_BODY_BYTES:
+        raise APIError(413, f"the body is {int(size)} bytes; the limit is {MAX_BODY_BYTES}")
+    raw = bytearray()
+    async for chunk in request.stream():
+        raw += chunk
+        if len(raw) > MAX_BODY_BYTES:
+            raise APIError(413, f"the body is over the limit of {MAX_BODY_BYTES} bytes")
+    try:
+        return model.model_validate_json(bytes(raw))
+    except ValidationError as e:
+        raise APIError(400, *validation_message(e)) from None
+
+
+async def _merge(streams):
+    """Outputs of several engine requests (one per prompt), as they come."""
+    if len(streams) == 1:
+        async for out in streams[0]:
+            yield out
+        return
+    q: asyncio.Queue = asyncio.Queue()
+
+    async def pump(s):
+        try:
+            async for out in s:
+                await q.put(out)
+        finally:
+            await q.put(None)
+
+    tasks = [asyncio.create_task(pump(s)) for s in streams]
+    try:
+        left = len(tasks)
+        while left:
+            out = await q.get()
+            if out is None:
+                left -= 1
+            else:
+                yield out
+    finally:
+        for t in tasks:
+            t.cancel()
+
+
+class _Shape:
+    """Builds the response objects of one API call (completion or chat, whole or chunked)."""
+
+    def __init__(self, rid, model, chat, tok, prompt_tokens):
+        self.rid, self.model, self.chat, self.tok = rid, model, chat, tok
+        self.created = int(time.time())
+        self.prompt_tokens = prompt_tokens
+
+    def obj(self, kind: str, choices: list, usage=None) -> dict:
+        d = {"id": self.rid, "object": kind, "created": self.created, "model": self.model, "choices": choices}
+        if usage is not None:
+            d["usage"] = usage
+        return d
+
+    def usage(self, completion_tokens: int) -> dict:
+        return {"prompt_tokens": self.prompt_tokens, "completion_tokens": completion_tokens,
+                "total_tokens": self.prompt_tokens + completion_tokens}
+
+    def logprobs(self, out, start: int = 0):
+        """Chat's logprobs object for the tokens from `start` on (None when not asked for)."""
+        if out.logprobs is None:
+            return None
+
+        def entry(tid, lp):
+            b = self.tok.decode_bytes([tid])
+            return {"token": b.decode("utf-8", errors="replace"), "logprob": lp, "bytes": list(b)}
+
+        return {"content": [{**entry(t, lp), "top_logprobs": [entry(i, v) for i, v in top]}
+                            for t, (lp, top) in zip(out.token_ids[start:], out.logprobs[start:])]}
+
+    def choice(self, index: int, out) -> dict:
+        if self.chat:
+            return {"index": index, "message": {"role": "assistant", "content": out.text},
+                    "logprobs": self.logprobs(out), "finish_reason": out.finish_reason}
+        return {"index": index, "text": out.text, "logprobs": None, "finish_reason": out.finish_reason}
+
+    def delta(self, index: int, text: str, out, start: int, first: bool) -> dict:
+        reason = out.finish_reason if out.finished else None
+        if self.chat:
+            d = {"role": "assistant", "content": text} if first else ({"content": text} if text else {})
+            return {"index": index, "delta": d, "logprobs": self.logprobs(out, start), "finish_reason": reason}
+        return {"index": index, "text": text, "logprobs": None, "finish_reason": reason}
+
+
+def _failed(out) -> APIError | None:
+    if out.finish_reason == "error":
+        return APIError(500 if out.error and out.error.startswith("sampling") else 400, out.error or "the request failed")
+    return None
+
+
+async def _whole(request: Request, shape: _Shape, outs, index: dict) -> JSONResponse:
+    """A non-streamed answer; the request is aborted if the client goes away before it is done."""
+    final = {}
+
+    async def collect():
+        async for out in outs:
+            if out.finished:
+                final[out.request_id] = out
+
+    async def gone():
+        while not await request.is_disconnected():
+            await asyncio.sleep(0.25)
+
+    work, watch = asyncio.create_task(collect()), asyncio.create_task(gone())
+    await asyncio.wait({work, watch}, return_when=asyncio.FIRST_COMPLETED)
+    watch.cancel()
+    if not work.done():
+        work.cancel()                   # the client left: abort (the generator's finally does it)
+        await asyncio.gather(work, return_exceptions=True)
+        return JSONResponse(APIError(499, "the client closed the connection").body(), status_code=499)
+    work.result()
+    for out in final.values():
+        if (err := _failed(out)) is not None:
+            raise err
+    choices = [shape.choice(index[r], o) for r, o in sorted(final.items(), key=lambda kv: index[kv[0]])]
+    usage = shape.usage(sum(len(o.token_ids) for o in final.values()))
+    return JSONResponse(shape.obj("chat.completion" if shape.chat else "text_completion", choices, usage))
+
+
+async def _sse(shape: _Shape, outs, index: dict, include_usage: bool):
+    """Server-sent events: a chunk per new piece of text, per choice; the usage chunk; [DONE]."""
+    kind = "chat.completion.chunk" if shape.chat else "text_completion"
+    sent: dict[str, tuple[int, int]] = {}          # request id -> (characters, tokens) already sent
+    completion_tokens = 0
+    extra = {"usage": None} if include_usage else {}
+    try:
+        async for out in outs:
+            if (err := _failed(out)) is not None:
+                yield f"data: {json.dumps(err.body())}\n\n"
+                continue
+            chars, toks = sent.get(out.request_id, (0, 0))
+            text = out.text[chars:]
+            if not text and not out.finished and not (shape.chat and out.request_id not in sent):
+                continue
+            choice = shape.delta(index[out.request_id], text, out, toks, out.request_id not in sent)
+            sent[out.request_id] = (len(out.text), len(out.token_ids))
+            if out.finished:
+                completion_tokens += len(out.token_ids)
+            yield f"data: {json.dumps(shape.obj(kind, [choice]) | extra)}\n\n"
+        if include_usage:
+            yield f"data: {json.dumps(shape.obj(kind, [], shape.usage(completion_tokens)))}\n\n"
+        yield "data: [DONE]\n\n"
+    finally:
+        await outs.aclose()             # a client gone mid-stream: this aborts its requests
+
+
+def serve(engine, model_name: str, host: str = "127.0.0.1", port: int = 8000, api_key: str | None = None,
+          max_queued_requests: int | None = None, graceful_timeout_s: float = 30.0, log_level: str = "info") -> None:
+    """Run the server until Ctrl-C / SIGTERM. On shutdown it stops taking connections, lets running
+    answers finish for up to graceful_timeout_s, then aborts what is left and closes those streams."""
+    import uvicorn
+
+    app = create_app(engine, model_name, api_key, max_queued_requests)
+    uvicorn.run(app, host=host, port=port, log_level=log_level, timeout_graceful_shutdown=graceful_timeout_s)

@@ -1,0 +1,161 @@
+"""AsyncEngine: one LLMEngine stepping in a background thread, serving many asyncio callers.
+
+    engine = AsyncEngine(LLMEngine(model, tokenizer), metrics)
+    engine.start()
+    async for out in engine.generate("req-1", prompt_ids, params):   # a RequestOutput per new token
+        ...
+
+The HTTP handlers live on the event loop; the model runs in the engine thread, so a forward pass
+never blocks a connection. They talk through two queues:
+
+    handler --(add / abort)--> commands --> engine thread: step(), step(), ...
+    handler <--(RequestOutput)-- one asyncio.Queue per request <-- engine thread
+
+The thread takes every pending command before each step, so a new request joins the very next
+batch and an aborted one (a client that went away) gives its blocks back before it.
+"""
+from __future__ import annotations
+
+import asyncio
+import logging
+import queue
+import threading
+from typing import AsyncIterator
+
+from ..engine import LLMEngine
+from ..engine.request import RequestMetrics, RequestOutput
+from ..sampling import SamplingParams
+
+logger = logging.getLogger("minillm")
+
+
+class QueueFull(Exception):
+    """More requests are waiting than --max-queued-requests allows (HTTP 503)."""
+
+
+class AsyncEngine:
+    def __init__(self, engine: LLMEngine, metrics=None, max_queued_requests: int | None = None):
+        self.engine, self.metrics = engine, metrics
+        self.max_queued_requests = max_queued_requests
+        self._commands: queue.SimpleQueue = queue.SimpleQueue()
+        self._wake = threading.Event()
+        self._streams: dict[str, tuple[asyncio.AbstractEventLoop, asyncio.Queue]] = {}
+        self._pending_adds = 0          # requests sent to the thread, not yet in the engine's queue
+        self._stop = False
+        self._thread: threading.Thread | None = None
+        self.error: BaseException | None = None     # what stopped the engine thread, if anything did
+
+    # ------------------------------------------------------------ lifecycle
+    def start(self) -> None:
+        self._thread = threading.Thread(target=self._loop, name="minillm-engine", daemon=True)
+        self._thread.start()
+
+    def stop(self, timeout: float = 10.0) -> None:
+        """Abort what is still running (its streams end with finish_reason "abort") and end the thread."""
+        self._stop = True
+        self._wake.set()
+        if self._thread is not None:
+            self._thread.join(timeout)
+
+    @property
+    def healthy(self) -> bool:
+        return self._thread is not None and self._thread.is_alive() and self.error is None
+
+    @property
+    def num_waiting(self) -> int:
+        return len(self.engine.scheduler.waiting) + self._pending_adds
+
+    # ------------------------------------------------------------ the handlers' side
+    def check_room(self, k: int = 1) -> None:
+        """Raise QueueFull if k more requests would overfill the waiting queue."""
+        if self.max_queued_requests is not None and self.num_waiting + k > self.max_queued_requests:
+            raise QueueFull(f"the server is busy: {self.num_waiting} requests are waiting "
+                            f"(--max-queued-requests {self.max_queued_requests}); retry later")
+
+    async def generate(self, request_id: str, prompt_ids: list[int], params: SamplingParams,
+                       n: int = 1) -> AsyncIterator[RequestOutput]:
+        """Outputs of the request's n samples (ids request_id, request_id/1, ...) as they come,
+        until all are finished. Leaving the loop early (a client gone) aborts them all."""
+        ids = [request_id] + [f"{request_id}/{i}" for i in range(1, n)]
+        q: asyncio.Queue = asyncio.Queue()
+        loop = asyncio.get_running_loop()
+        for rid in ids:
+            self._streams[rid] = (loop, q)
+        self._pending_adds += 1
+        self._send(("add", request_id, prompt_ids, params, n))
+        open_ids = set(ids)
+        try:
+            while open_ids:
+                out = await q.get()
+                if out.finished:
+                    open_ids.discard(out.request_id)
+                yield out
+        finally:
+            for rid in ids:
+                self._streams.pop(rid, None)
+            if open_ids:
+                self._send(("abort", request_id, ids))
+
+    def _send(self, command) -> None:
+        self._commands.put(command)
+        self._wake.set()
+
+    # ------------------------------------------------------------ the engine thread
+    def _loop(self) -> None:
+        eng = self.engine
+        try:
+            while not self._stop:
+                self._take_commands()
+                if not eng.has_unfinished_requests():
+                    self._wake.wait(0.5)
+                    self._wake.clear()
+                    continue
+                outs = eng.step()
+                if self.metrics is not None:
+                    self.metrics.on_step(eng, outs)
+                for out in outs:
+                    self._deliver(out)
+        except BaseException as e:   # a bug in a step: say so on /health and to every open stream
+            self.error = e
+            logger.exception("the engine thread stopped")
+        try:
+            for rid in list(eng.requests):
+                eng.abort_request(rid)
+            for out in eng.step():         # schedules nothing; reports the aborted requests
+                self._deliver(out)
+        except Exception:
+            logger.exception("could not abort the remaining requests")
+        for rid in list(self._streams):
+            self._deliver(_ended(rid, "abort", "the server is shutting down" if self.error is None else
+                                 f"the engine stopped: {self.error!r}"))
+
+    def _take_commands(self) -> None:
+        while True:
+            try:
+                cmd = self._commands.get_nowait()
+            except queue.Empty:
+                return
+            if cmd[0] == "add":
+                _, rid, prompt_ids, params, n = cmd
+                self._pending_adds -= 1
+                try:
+                    self.engine.add_request(rid, prompt_ids, params, n=n)
+                except ValueError as e:     # checked by the handler first; this is the last guard
+                    for i in range(n):
+                        self._deliver(_ended(rid if i == 0 else f"{rid}/{i}", "error", str(e)))
+            else:
+                for rid in cmd[2]:
+                    self.engine.abort_request(rid)
+
+    def _deliver(self, out: RequestOutput) -> None:
+        target = self._streams.get(out.request_id)
+        if target is not None:
+            loop, q = target
+            try:
+                loop.call_soon_threadsafe(q.put_nowait, out)
+            except RuntimeError:          # the event loop is closed (shutdown)
+                pass
+
+
+def _ended(rid: str, reason: str, message: str) -> RequestOutput:
+    return RequestOutput(rid, [], [], "", True, reason, RequestMetrics(None, None, [], None, None), error=message)

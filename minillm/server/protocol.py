@@ -1,0 +1,96 @@
+"""The OpenAI API's request bodies (the fields minillm serves) and its error shape.
+
+Bodies are validated strictly: a field of the wrong type, or one the API does not have, is a 400
+that names it. Values are checked where the engine checks them (SamplingParams), so the messages
+are the same in Python, on the command line and over HTTP. Extensions beyond OpenAI's fields, as
+vLLM has them: top_k, min_p, ignore_eos.
+"""
+from __future__ import annotations
+
+from typing import Literal
+
+from pydantic import BaseModel, ConfigDict, Field
+
+
+class _Body(BaseModel):
+    model_config = ConfigDict(extra="forbid", strict=True)
+
+
+class StreamOptions(_Body):
+    include_usage: bool = False
+
+
+class _Sampling(_Body):
+    model: str
+    max_tokens: int | None = None
+    temperature: float = 1.0                     # OpenAI's default; 0 is greedy
+    top_p: float = 1.0
+    top_k: int = 0                               # extension: 0 (or -1) is off
+    min_p: float = 0.0                           # extension
+    seed: int | None = None
+    stop: str | list[str] | None = None
+    n: int = 1
+    stream: bool = False
+    stream_options: StreamOptions | None = None
+    ignore_eos: bool = False                     # extension: keep going past end-of-text (benchmarks)
+    frequency_penalty: float = 0.0               # accepted at 0 only: clients send the defaults
+    presence_penalty: float = 0.0
+    user: str | None = None                      # accepted, not used
+
+
+class CompletionRequest(_Sampling):
+    prompt: str | list[int] | list[str] | list[list[int]]
+
+
+class TextPart(_Body):
+    type: Literal["text"]
+    text: str
+
+
+class Message(_Body):
+    role: str
+    content: str | list[TextPart] | None = None
+    name: str | None = None
+
+    def text(self) -> str:
+        if isinstance(self.content, list):
+            return "".join(p.text for p in self.content)
+        return self.content or ""
+
+
+class ChatRequest(_Sampling):
+    messages: list[Message]
+    max_completion_tokens: int | None = None     # OpenAI's newer name for max_tokens
+    logprobs: bool = False
+    top_logprobs: int | None = Field(default=None)
+
+
+class APIError(Exception):
+    """An error answered in OpenAI's shape: {"error": {"message", "type", "param", "code"}}."""
+
+    TYPES = {400: "invalid_request_error", 401: "authentication_error", 404: "invalid_request_error",
+             413: "invalid_request_error", 500: "server_error", 503: "service_unavailable"}
+
+    def __init__(self, status: int, message: str, param: str | None = None, code: str | None = None):
+        super().__init__(message)
+        self.status, self.message, self.param, self.code = status, message, param, code
+
+    def body(self) -> dict:
+        return {"error": {"message": self.message, "type": self.TYPES.get(self.status, "invalid_request_error"),
+                          "param": self.param, "code": self.code}}
+
+
+def validation_message(err) -> tuple[str, str | None]:
+    """The first problem pydantic found, as (message, param)."""
+    e = err.errors()[0]
+    loc = [str(p) for p in e.get("loc", ()) if not str(p).startswith(("function-", "list[", "str", "int"))]
+    param = ".".join(loc) or None
+    if e["type"] == "json_invalid":
+        return f"the body is not valid JSON: {e.get('ctx', {}).get('error', e['msg'])}", None
+    if e["type"] == "missing":
+        return f"'{param}' is required", param
+    if e["type"] == "extra_forbidden":
+        return f"unrecognized request argument supplied: {param}", param
+    if e["type"] == "model_type":
+        return "the body must be a JSON object", None
+    return f"'{param}': {e['msg']} (got {e.get('input')!r:.80})", param
