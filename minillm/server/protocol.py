@@ -83,7 +83,8 @@ class APIError(Exception):
 def validation_message(err) -> tuple[str, str | None]:
     """The first problem pydantic found, as (message, param)."""
     e = err.errors()[0]
-    loc = [str(p) for p in e.get("loc", ()) if not str(p).startswith(("function-", "list[", "str", "int"))]
+    tags = ("str", "int", "float", "bool", "none")     # pydantic names the branch of a union it tried
+    loc = [str(p) for p in e.get("loc", ()) if str(p) not in tags and not str(p).startswith(("function-", "list["))]
     param = ".".join(loc) or None
     if e["type"] == "json_invalid":
         return f"the body is not valid JSON: {e.get('ctx', {}).get('error', e['msg'])}", None

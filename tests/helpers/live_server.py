@@ -1,0 +1,39 @@
+"""A real uvicorn server on a free loopback port, in a thread of the test process (so it shares the
+loaded model), for as long as a `with` block lasts."""
+from __future__ import annotations
+
+import socket
+import threading
+import time
+from contextlib import contextmanager
+
+import uvicorn
+
+from minillm.engine import LLMEngine
+from minillm.server import create_app
+
+
+def free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+@contextmanager
+def live_server(model, tokenizer, name="smol", api_key=None, max_queued_requests=None, **engine_options):
+    engine = LLMEngine(model, tokenizer, **{"kv_cache_memory": 64 << 20, "verbose": False, **engine_options})
+    app = create_app(engine, name, api_key=api_key, max_queued_requests=max_queued_requests)
+    port = free_port()
+    server = uvicorn.Server(uvicorn.Config(app, host="127.0.0.1", port=port, log_level="warning",
+                                           timeout_graceful_shutdown=5))
+    thread = threading.Thread(target=server.run, daemon=True)
+    thread.start()
+    deadline = time.monotonic() + 30
+    while not server.started:
+        assert thread.is_alive() and time.monotonic() < deadline, "the server did not start"
+        time.sleep(0.02)
+    try:
+        yield f"http://127.0.0.1:{port}", app, engine
+    finally:
+        server.should_exit = True
+        thread.join(15)
