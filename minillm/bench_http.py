@@ -10,7 +10,8 @@ they come. Per request, from the moment it is sent:
     ITL    the gaps between chunks that carry text (a chunk may carry several tokens)
     E2E    until the last one
 
-A request that fails (an HTTP error, a broken stream, the run's time limit) is counted as failed
+A request that fails (an HTTP error, a stream that breaks before a finish_reason or `[DONE]`, the
+run's time limit) is counted as failed
 and left out of the latencies. Results have the same shape as the in-process engine benchmark
 (bench_serve.summarize_system), so the two can be put side by side.
 
@@ -51,6 +52,42 @@ def load_text_workload(path, num_requests: int = 64, max_tokens: int = 64, reque
     return items
 
 
+class MetricsSampler:
+    """Reads a minillm server's /metrics every `interval_s` while a run goes on (a thread): the
+    running and waiting requests and KV-cache use over time, to explain the latencies."""
+
+    def __init__(self, url: str, interval_s: float = 0.25):
+        self.url, self.interval_s = url.rstrip("/") + "/metrics", interval_s
+        self.samples: list[tuple[float, float, float, float]] = []   # (seconds, running, waiting, kv usage)
+        self._stop = None
+
+    def __enter__(self):
+        import threading
+
+        import httpx
+
+        self._stop = threading.Event()
+        t0 = time.perf_counter()
+
+        def loop():
+            names = ("vllm:num_requests_running", "vllm:num_requests_waiting", "vllm:kv_cache_usage_perc")
+            while not self._stop.wait(self.interval_s):
+                try:
+                    lines = httpx.get(self.url, timeout=5).text.splitlines()
+                except httpx.HTTPError:
+                    continue
+                got = {ln.split("{")[0]: float(ln.rsplit(" ", 1)[1]) for ln in lines if ln.startswith(names)}
+                self.samples.append((time.perf_counter() - t0, *(got.get(n, 0.0) for n in names)))
+
+        self._thread = threading.Thread(target=loop, daemon=True)
+        self._thread.start()
+        return self
+
+    def __exit__(self, *exc):
+        self._stop.set()
+        self._thread.join(10)
+
+
 def _body(w: WorkItem, model: str, chat: bool, ignore_eos: bool) -> dict:
     body = {"model": model, "max_tokens": w.output_len, "temperature": 0.0, "stream": True,
             "stream_options": {"include_usage": True}}
@@ -88,6 +125,7 @@ async def _one(client, url: str, body: dict, headers: dict, t0: float) -> Record
                 piece = c.get("text") or (c.get("delta") or {}).get("content")
                 if piece:
                     times.append(time.perf_counter() - sent)
+                ok = ok or bool(c.get("finish_reason"))     # some servers end without [DONE]
     return Record(tokens or len(times), times, ok and bool(times), sent - t0)
 
 
@@ -103,9 +141,13 @@ async def replay_http(url: str, items: list[WorkItem], model: str | None = None,
     async with httpx.AsyncClient(timeout=httpx.Timeout(timeout_s, connect=30.0),
                                  limits=httpx.Limits(max_connections=limit, max_keepalive_connections=limit)) as client:
         if model is None:
-            r = await client.get(f"{base}/v1/models", headers=headers)
-            r.raise_for_status()
-            model = r.json()["data"][0]["id"]
+            try:
+                r = await client.get(f"{base}/v1/models", headers=headers)
+                r.raise_for_status()
+                model = r.json()["data"][0]["id"]
+            except (httpx.HTTPError, ValueError, KeyError, IndexError) as e:
+                raise ValueError(f"no OpenAI-compatible server answers at {base}/v1/models ({e}); "
+                                 f"is it running, and is --url right?") from None
         endpoint = f"{base}/v1/chat/completions" if chat else f"{base}/v1/completions"
         gate = asyncio.Semaphore(limit)
         bar = tqdm(total=len(items), desc="requests", unit="req", disable=None if progress else True)

@@ -317,14 +317,12 @@ def cmd_bench_http(args) -> None:
         items = load_text_workload(args.workload, args.num_requests, args.max_tokens, args.request_rate)
     else:
         items = load_workload(args.workload, args.num_requests, args.length_scale, request_rate=args.request_rate)
-    if not args.json:
-        print(SERVE_HEADER, file=sys.stderr, flush=True)
     replay = run_http_bench(args.url, items, model=args.served_model_name, chat=args.chat,
                             max_concurrency=args.max_concurrency, ignore_eos=not args.no_ignore_eos,
                             api_key=args.api_key, timeout_s=args.timeout)
     result = summarize_system(args.url, replay)
     if not args.json:
-        print(_serve_row(result), file=sys.stderr, flush=True)
+        print(SERVE_HEADER + "\n" + _serve_row(result), file=sys.stderr, flush=True)
     workload = {"file": args.workload or "data/request_trace.jsonl", "url": args.url, "num_requests": len(items),
                 "request_rate": args.request_rate if args.request_rate != float("inf") else "inf",
                 "max_concurrency": args.max_concurrency, "chat": args.chat, "ignore_eos": not args.no_ignore_eos,

@@ -59,6 +59,10 @@ def test_generate_speculative_json_reports_acceptance(stage):
     (["bench", "serve", "--workload", "/nonexistent.jsonl"], "does not exist"),
     (["bench", "serve", "--num-requests", "0"], "num_requests must be >= 1"),
     (["generate"], "the following arguments are required: prompt"),
+    (["serve", "--port", "70000"], "--port must be in [0, 65535]"),
+    (["serve", "--max-queued-requests", "0"], "--max-queued-requests"),
+    (["serve", "--speculative", "magic"], "unknown speculative proposer"),
+    (["bench", "serve", "--url", "http://127.0.0.1:9", "--num-requests", "1"], "no OpenAI-compatible server answers"),
 ])
 def test_bad_input_is_one_line_without_traceback(args, message):
     r = run(*args)

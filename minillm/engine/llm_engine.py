@@ -92,7 +92,7 @@ class LLMEngine:
         ids = [request_id] + [f"{request_id}/{i}" for i in range(1, n)]
         if any(i in self.requests for i in ids):
             raise ValueError(f"request id {request_id!r} is already in use by an unfinished request")
-        prompt = self._check_prompt(prompt_ids)
+        prompt = self.check_prompt(prompt_ids)
         req = Request(request_id, prompt, params)
         if arrival_time is not None:
             req.arrival_time = arrival_time
@@ -104,7 +104,8 @@ class LLMEngine:
         self.scheduler.add(req)
         return ids
 
-    def _check_prompt(self, prompt_ids) -> list[int]:
+    def check_prompt(self, prompt_ids) -> list[int]:
+        """The prompt as a list of ints, or ValueError saying what is wrong with it (the server asks first)."""
         if isinstance(prompt_ids, str):
             raise ValueError("prompt_ids must be token ids, not text: tokenize it first (tokenizer.encode)")
         try:

@@ -157,7 +157,7 @@ def create_app(engine, model_name: str, api_key: str | None = None, max_queued_r
                                 f"sequences the server runs at once", "n")
         for p in prompts:
             try:
-                engine._check_prompt(p)
+                engine.check_prompt(p)
             except ValueError as e:
                 raise APIError(400, str(e), "prompt") from None
         rid = f"{'chatcmpl' if chat else 'cmpl'}-{uuid.uuid4().hex}"
