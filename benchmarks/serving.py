@@ -104,7 +104,7 @@ def main():
         for rate in rates:
             items = load_text_workload(args.workload, args.num_requests, request_rate=rate, seed=1)
             for name, p in procs.items():          # the same arrivals for every server, one server at a time
-                sampler = MetricsSampler(p.url) if name == "minillm" else None
+                sampler = MetricsSampler(p.url, 1.0) if name == "minillm" else None   # 1 s: light
                 if sampler:
                     sampler.__enter__()
                 replay = run_http_bench(p.url, items, chat=True, ignore_eos=False, timeout_s=args.timeout)

@@ -113,8 +113,7 @@ class AsyncEngine:
                 outs = eng.step()
                 if self.metrics is not None:
                     self.metrics.on_step(eng, outs)
-                for out in outs:
-                    self._deliver(out)
+                self._deliver(*outs)
         except BaseException as e:   # a bug in a step: say so on /health and to every open stream
             self.error = e
             logger.exception("the engine thread stopped")
@@ -147,14 +146,23 @@ class AsyncEngine:
                 for rid in cmd[2]:
                     self.engine.abort_request(rid)
 
-    def _deliver(self, out: RequestOutput) -> None:
-        target = self._streams.get(out.request_id)
-        if target is not None:
-            loop, q = target
+    def _deliver(self, *outs: RequestOutput) -> None:
+        """Hand outputs to their streams: one wake-up of each event loop per step, not one per output."""
+        by_loop: dict = {}
+        for out in outs:
+            target = self._streams.get(out.request_id)
+            if target is not None:
+                by_loop.setdefault(target[0], []).append((target[1], out))
+        for loop, items in by_loop.items():
             try:
-                loop.call_soon_threadsafe(q.put_nowait, out)
+                loop.call_soon_threadsafe(_put_all, items)
             except RuntimeError:          # the event loop is closed (shutdown)
                 pass
+
+
+def _put_all(items) -> None:
+    for q, out in items:
+        q.put_nowait(out)
 
 
 def _ended(rid: str, reason: str, message: str) -> RequestOutput:
