@@ -41,6 +41,7 @@ class AsyncEngine:
         self._wake = threading.Event()
         self._streams: dict[str, tuple[asyncio.AbstractEventLoop, asyncio.Queue]] = {}
         self._pending_adds = 0          # requests sent to the thread, not yet in the engine's queue
+        self._pending_lock = threading.Lock()   # counted up by the event loop, down by the engine thread
         self._stop = False
         self._thread: threading.Thread | None = None
         self.error: BaseException | None = None     # what stopped the engine thread, if anything did
@@ -81,7 +82,8 @@ class AsyncEngine:
         loop = asyncio.get_running_loop()
         for rid in ids:
             self._streams[rid] = (loop, q)
-        self._pending_adds += 1
+        with self._pending_lock:
+            self._pending_adds += 1
         self._send(("add", request_id, prompt_ids, params, n))
         open_ids = set(ids)
         try:
@@ -136,7 +138,8 @@ class AsyncEngine:
                 return
             if cmd[0] == "add":
                 _, rid, prompt_ids, params, n = cmd
-                self._pending_adds -= 1
+                with self._pending_lock:
+                    self._pending_adds -= 1
                 try:
                     self.engine.add_request(rid, prompt_ids, params, n=n)
                 except ValueError as e:     # checked by the handler first; this is the last guard

@@ -2,7 +2,6 @@
 loaded model), for as long as a `with` block lasts."""
 from __future__ import annotations
 
-import socket
 import threading
 import time
 from contextlib import contextmanager
@@ -11,12 +10,7 @@ import uvicorn
 
 from minillm.engine import LLMEngine
 from minillm.server import create_app
-
-
-def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
+from minillm.server.launch import free_port
 
 
 @contextmanager
