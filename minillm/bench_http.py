@@ -9,6 +9,9 @@ they come. Per request, from the moment it is sent:
     TTFT   until the first chunk that carries text
     ITL    the gaps between chunks that carry text (a chunk may carry several tokens)
     E2E    until the last one
+    TPOT   (E2E - TTFT) / (chunks - 1)
+
+and for the run: requests and output tokens per second (completed ones over the run's duration).
 
 A request that fails (an HTTP error, a stream that breaks before a finish_reason or `[DONE]`, the
 run's time limit) is counted as failed

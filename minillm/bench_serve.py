@@ -201,6 +201,7 @@ def summarize_system(system: str, replay: Replay) -> dict:
     out_tokens = sum(r.output_tokens for r in done)
     return {"system": system, "completed": len(done), "failed": len(records) - len(done),
             "duration_s": duration, "output_tokens": out_tokens, "output_tokens_per_s": out_tokens / duration,
+            "requests_per_s": len(done) / duration,
             "prefix_cache_hit_rate": replay.prefix_cache_hit_rate,
             "ttft_s": summarize(ttft), "itl_s": summarize(itl), "tpot_s": summarize(tpot), "e2e_s": summarize(e2e)}
 

@@ -269,6 +269,7 @@ def test_load_generator_measures_a_server(url):
     replay = run_http_bench(url, items, max_concurrency=4, progress=False)
     r = summarize_system("minillm", replay)
     assert r["completed"] == 6 and r["failed"] == 0
+    assert r["requests_per_s"] == pytest.approx(6 / r["duration_s"])
     assert r["output_tokens"] == sum(w.output_len for w in items)          # ignore_eos: every token came
     assert 0 < r["ttft_s"]["p50"] <= r["e2e_s"]["p50"] and r["itl_s"]["p99"] > 0
     bad = run_http_bench(url, items[:2], model="not-served", progress=False)
