@@ -127,9 +127,6 @@ def create_app(engine, model_name: str, api_key: str | None = None, max_queued_r
         for name in ("frequency_penalty", "presence_penalty"):
             if getattr(body, name) != 0:
                 raise APIError(400, f"'{name}' is not supported (only 0)", name)
-        if not 1 <= body.n <= engine.scheduler.max_num_seqs:
-            raise APIError(400, f"'n' must be in [1, {engine.scheduler.max_num_seqs}] (the sequences the server "
-                                f"runs at once); got {body.n}", "n")
         logprobs = None
         if chat and body.logprobs:
             logprobs = body.top_logprobs or 0
@@ -151,10 +148,11 @@ def create_app(engine, model_name: str, api_key: str | None = None, max_queued_r
         _model_check(body)
         if not prompts or not all(prompts):
             raise APIError(400, "the prompt is empty: give at least one token", "prompt")
+        most = engine.scheduler.max_num_seqs
+        if not 1 <= body.n * len(prompts) <= most:       # every choice is a sequence of its own
+            raise APIError(400, f"'n' x prompts must be in [1, {most}] (the sequences the server runs at once); "
+                                f"got n={body.n} for {len(prompts)} prompt(s)", "n")
         params = [_params(body, len(p), chat) for p in prompts]
-        if len(prompts) * body.n > engine.scheduler.max_num_seqs:
-            raise APIError(400, f"{len(prompts)} prompts x n={body.n} is more than the {engine.scheduler.max_num_seqs} "
-                                f"sequences the server runs at once", "n")
         for p in prompts:
             try:
                 engine.check_prompt(p)

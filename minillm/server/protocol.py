@@ -9,7 +9,7 @@ from __future__ import annotations
 
 from typing import Literal
 
-from pydantic import BaseModel, ConfigDict, Field
+from pydantic import BaseModel, ConfigDict
 
 
 class _Body(BaseModel):
@@ -62,7 +62,7 @@ class ChatRequest(_Sampling):
     messages: list[Message]
     max_completion_tokens: int | None = None     # OpenAI's newer name for max_tokens
     logprobs: bool = False
-    top_logprobs: int | None = Field(default=None)
+    top_logprobs: int | None = None
 
 
 class APIError(Exception):
