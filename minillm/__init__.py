@@ -21,13 +21,40 @@ __all__ = ["LLM", "ModelConfig", "ModelNotFoundError", "SamplingParams", "Tokeni
            "find_model", "load_model", "load_tokenizer"]
 
 
-def load_model(path: str | Path | None = None, dtype: torch.dtype = torch.float32,
-               device: str | torch.device | None = None, attn_fn=None) -> Transformer:
-    """Load a Llama-family model (GGUF file or Hugging Face folder; default: the course model)."""
+def load_model(path: str | Path | None = None, dtype: torch.dtype | str = torch.float32,
+               device: str | torch.device | None = None, attn_fn=None, quant: str | None = None) -> Transformer:
+    """Load a Llama-family model (GGUF file or Hugging Face folder; default: the course model).
+
+    dtype: of activations, norms and the KV cache (and of the weights, unquantized): float32, float16
+        or bfloat16 (a name or a torch.dtype).
+    quant: None, or quantized weights (`minillm.quant`): "int8", "w8a8", "q4", or "q4_file" (the GGUF
+        file's own 4-bit blocks).
+    """
+    from .quant import check_format, quantize_model
+    from .quant.smoothquant import CALIBRATION, smooth_scales
+
+    dtype = parse_dtype(dtype)
+    check_format(quant)
     cfg, state, _ = load_state(path, dtype)
     kwargs = {"attn_fn": attn_fn} if attn_fn is not None else {}
     model = build_model(cfg, state, **kwargs)
-    return model.to(device) if device is not None else model
+    model = model.to(device) if device is not None else model
+    if quant == "w8a8":
+        tok = load_tokenizer(path)
+        return quantize_model(model, quant, smooth=smooth_scales(model, [tok.encode(t) for t in CALIBRATION]))
+    return quantize_model(model, quant, path) if quant else model
+
+
+DTYPES = {"float32": torch.float32, "float16": torch.float16, "bfloat16": torch.bfloat16}
+
+
+def parse_dtype(dtype: torch.dtype | str) -> torch.dtype:
+    """"float32" | "float16" | "bfloat16" (or the torch.dtype) -> the torch.dtype; anything else: ValueError."""
+    if isinstance(dtype, torch.dtype) and dtype in DTYPES.values():
+        return dtype
+    if isinstance(dtype, str) and dtype.removeprefix("torch.") in DTYPES:
+        return DTYPES[dtype.removeprefix("torch.")]
+    raise ValueError(f"unsupported dtype {dtype!r}: choose one of {', '.join(DTYPES)}")
 
 
 def load_tokenizer(path: str | Path | None = None) -> Tokenizer:

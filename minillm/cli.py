@@ -31,6 +31,18 @@ def _add_model_args(p, stage: bool = True):
         p.add_argument("--stage", default="naive", choices=ALL_STAGES, help="which engine stage generates")
     p.add_argument("--threads", type=int, default=None, help="torch CPU threads (default: torch's choice)")
     p.add_argument("--device", default=None, help="cpu or cuda (default: cuda when there is one)")
+    _add_precision_args(p)
+
+
+def _add_precision_args(p):
+    from . import DTYPES
+    from .quant import FORMATS
+
+    p.add_argument("--dtype", default="float32", choices=list(DTYPES),
+                   help="activations, norms and KV cache (and unquantized weights); default float32")
+    p.add_argument("--quant", default=None, choices=list(FORMATS),
+                   help="quantized weights: int8 (weight-only), w8a8 (int8 activations too), q4 (4-bit), "
+                        "q4_file (the GGUF file's own 4-bit blocks); default: none")
 
 
 def _add_sampling_args(p, max_tokens=128):
@@ -142,6 +154,7 @@ def build_parser() -> argparse.ArgumentParser:
     b.add_argument("--model", default=None)
     b.add_argument("--threads", type=int, default=None)
     b.add_argument("--device", default=None)
+    _add_precision_args(b)
     return parser
 
 
@@ -163,7 +176,10 @@ def _load(args):
     if device.startswith("cuda") and not torch.cuda.is_available():
         _fail(f"--device {device} asked for, but this torch build sees no GPU; use --device cpu")
     tok = load_tokenizer(args.model)
-    model = load_model(args.model, device=device)
+    try:
+        model = load_model(args.model, device=device, dtype=args.dtype, quant=args.quant)
+    except ValueError as e:   # e.g. q4_file with a model that is not a Q4_1 GGUF file
+        _fail(str(e))
     return model, tok, device
 
 

@@ -110,11 +110,12 @@ class Transformer(nn.Module):
 
     @property
     def device(self) -> torch.device:
-        return self.tok_emb.weight.device
+        return self.norm.weight.device
 
     @property
     def dtype(self) -> torch.dtype:
-        return self.tok_emb.weight.dtype
+        """The dtype of activations, norms and the KV cache (quantized weights keep their own)."""
+        return self.norm.weight.dtype
 
     def forward(self, ids: torch.Tensor, positions: torch.Tensor | None = None, cache=None,
                 mask: torch.Tensor | None = None, attn_fn=None,
@@ -145,8 +146,9 @@ class Transformer(nn.Module):
         if logit_indices is not None:
             x = x[:, logit_indices]                                                # (B, M, d)
         x = self.norm(x)
-        w_out = self.tok_emb.weight if self.cfg.tie_embeddings else self.lm_head.weight
-        return F.linear(x, w_out).float()                                         # (B, T, vocab)
+        if "lm_head" in self._modules:   # untied, or a quantized head (`quant/`)
+            return self.lm_head(x).float()                                        # (B, T, vocab)
+        return F.linear(x, self.tok_emb.weight).float()
 
     def num_parameters(self) -> int:
         return sum(p.numel() for p in self.parameters())

@@ -1,8 +1,15 @@
-"""Quantization: fewer bytes per weight and per cached value (stage 7, in progress).
+"""Quantization: fewer bytes per weight (stage 7).
 
     gguf_blocks.py   the file's own 4-bit and 8-bit blocks (Q4_1, Q8_0), read without going through
                      float32 into packed tensors that dequantize to exactly what llama.cpp computes
+    linear.py        quantized linear layers (int8, w8a8, 4-bit) and the CPU kernels they call
+    apply.py         quantize_model(model, "int8" | "w8a8" | "q4" | "q4_file"): swap them in, in place
+    smoothquant.py   per-channel scales that move activation outliers into the weights (for w8a8)
+    quality.py       KL divergence, top-1 agreement and perplexity against the float32 model
 """
+from .apply import FORMATS, check_format, quantize_model, weight_bytes
 from .gguf_blocks import Q4Weight, Q8Weight, read_q4_1, read_q8_0
+from .linear import Int8Linear, Q4Linear, W8A8Linear
 
-__all__ = ["Q4Weight", "Q8Weight", "read_q4_1", "read_q8_0"]
+__all__ = ["FORMATS", "Int8Linear", "Q4Linear", "Q4Weight", "Q8Weight", "W8A8Linear", "check_format",
+           "quantize_model", "read_q4_1", "read_q8_0", "weight_bytes"]
