@@ -43,6 +43,8 @@ def _add_precision_args(p):
     p.add_argument("--quant", default=None, choices=list(FORMATS),
                    help="quantized weights: int8 (weight-only), w8a8 (int8 activations too), q4 (4-bit), "
                         "q4_file (the GGUF file's own 4-bit blocks); default: none")
+    p.add_argument("--kv-cache-dtype", default=None, choices=["int8", "int4"],
+                   help="store the KV cache quantized (stages kv, flash, continuous and the server); default: --dtype")
 
 
 def _add_sampling_args(p, max_tokens=128):
@@ -177,7 +179,8 @@ def _load(args):
         _fail(f"--device {device} asked for, but this torch build sees no GPU; use --device cpu")
     tok = load_tokenizer(args.model)
     try:
-        model = load_model(args.model, device=device, dtype=args.dtype, quant=args.quant)
+        model = load_model(args.model, device=device, dtype=args.dtype, quant=args.quant,
+                           kv_cache_dtype=args.kv_cache_dtype)
     except ValueError as e:   # e.g. q4_file with a model that is not a Q4_1 GGUF file
         _fail(str(e))
     return model, tok, device

@@ -98,6 +98,8 @@ class Block(nn.Module):
 
 
 class Transformer(nn.Module):
+    kv_cache_dtype: str | None = None   # how caches built for this model store K/V (`kv/quantized.py`)
+
     def __init__(self, cfg: ModelConfig, attn_fn=naive_attention):
         super().__init__()
         self.cfg = cfg

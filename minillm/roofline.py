@@ -17,12 +17,19 @@ from .metrics import median_time
 
 
 def weight_bytes(model) -> int:
-    return sum(p.numel() * p.element_size() for p in model.parameters())
+    """Bytes of every parameter and buffer the model holds (quantized codes and scales included),
+    each tensor counted once."""
+    seen, total = set(), 0
+    for t in list(model.parameters()) + list(model.buffers()):
+        if t.data_ptr() not in seen:
+            seen.add(t.data_ptr())
+            total += t.numel() * t.element_size()
+    return total
 
 
 def forward_bytes(model, batch: int, context: int) -> int:
     """Bytes a decode step must read: the weights once plus every sequence's K/V cache."""
-    return weight_bytes(model) + batch * kv_cache_bytes(model.cfg, context, model.dtype)
+    return weight_bytes(model) + batch * kv_cache_bytes(model.cfg, context, model.dtype, getattr(model, "kv_cache_dtype", None))
 
 
 def forward_flops(cfg: ModelConfig, n_params: int, tokens: int, context: int) -> int:

@@ -87,16 +87,19 @@ class KVCacheRunner(_Runner):
 
     name = "kv"
 
-    def __init__(self, model, max_len: int | None = None, attn_fn=sdpa_attention):
+    def __init__(self, model, max_len: int | None = None, attn_fn=sdpa_attention, kv_cache_dtype: str | None = "model"):
+        """kv_cache_dtype: None (the model's dtype), "int8" or "int4" (`kv/quantized.py`); by default the
+        model's `kv_cache_dtype` (set by `load_model`)."""
         self.model, self.attn_fn = model, attn_fn
         self.max_len = min(max_len or model.cfg.max_seq_len, model.cfg.max_seq_len)
+        self.kv_dtype = getattr(model, "kv_cache_dtype", None) if kv_cache_dtype == "model" else kv_cache_dtype
         self.cache: KVCache | None = None
 
     @torch.inference_mode()
     def prefill_batch(self, seqs: list[list[int]]) -> torch.Tensor:
         m = self.model
         ids, lengths = _right_pad(seqs, m.device)                                # (B, T)
-        self.cache = KVCache(m.cfg, len(seqs), max(self.max_len, ids.shape[1]), m.dtype, m.device)
+        self.cache = KVCache(m.cfg, len(seqs), max(self.max_len, ids.shape[1]), m.dtype, m.device, self.kv_dtype)
         positions, mask = self.cache.begin(ids.shape[1])                         # (B, T), None: causal
         logits = m(ids, positions, self.cache, mask, attn_fn=self.attn_fn)       # (B, T, vocab)
         self.cache.commit(lengths)                                               # padding slots stay unused
@@ -198,6 +201,9 @@ class PagedRunner(_Runner):
         from .attention import triton_paged
         from .kv import BlockPool
 
+        if getattr(model, "kv_cache_dtype", None):
+            raise ValueError(f"the paged stage's Triton kernels store float K/V; kv_cache_dtype="
+                             f"{model.kv_cache_dtype!r} works with the kv, flash and continuous stages")
         self.model, self.kernels = model, triton_paged
         self.max_len = min(max_len or model.cfg.max_seq_len, model.cfg.max_seq_len)
         self.block_size, self.num_blocks = block_size, num_blocks

@@ -59,6 +59,9 @@ def test_generate_speculative_json_reports_acceptance(stage):
     (["bench", "serve", "--workload", "/nonexistent.jsonl"], "does not exist"),
     (["bench", "serve", "--num-requests", "0"], "num_requests must be >= 1"),
     (["generate"], "the following arguments are required: prompt"),
+    (["generate", "hi", "--quant", "int3"], "invalid choice: 'int3'"),
+    (["generate", "hi", "--kv-cache-dtype", "fp8"], "invalid choice: 'fp8'"),
+    (["generate", "hi", "--stage", "paged", "--kv-cache-dtype", "int8"], "kv, flash and continuous stages"),
     (["serve", "--port", "70000"], "--port must be in [0, 65535]"),
     (["serve", "--max-queued-requests", "0"], "--max-queued-requests"),
     (["serve", "--speculative", "magic"], "unknown speculative proposer"),
@@ -70,6 +73,15 @@ def test_bad_input_is_one_line_without_traceback(args, message):
     lines = r.stderr.strip().splitlines()
     assert len(lines) == 1 and message in lines[0], r.stderr
     assert "Traceback" not in r.stderr
+
+
+@pytest.mark.parametrize("stage", ["kv", "continuous"])
+def test_generate_with_quantized_weights_and_cache(stage):
+    r = run("generate", "The capital of France is", "--max-tokens", "4", "--json", "--stage", stage,
+            "--quant", "q4_file", "--kv-cache-dtype", "int8", "--dtype", "bfloat16")
+    assert r.returncode == 0, r.stderr
+    assert json.loads(r.stdout)["text"].startswith(" Paris")
+    assert "Warning" not in r.stderr
 
 
 def test_chat_answers_and_exits_on_eof():

@@ -23,6 +23,7 @@ from dataclasses import dataclass
 import torch
 import torch.nn.functional as F
 
+from ..kv.quantized import QuantizedKV
 from .sdpa import sdpa_attention
 
 
@@ -82,6 +83,9 @@ def gather_pages(cache: torch.Tensor, pages: torch.Tensor, rows: int, out: torch
     One copy of the pages (index_select moves whole pages). With `out` (a slice of a workspace) the
     copy lands in memory reused from layer to layer and step to step: a fresh 10 MB tensor every
     layer would cost its page faults every time."""
+    if isinstance(cache, QuantizedKV):                                 # pages of codes -> values
+        x = cache.index_select(0, pages).dequantize()                  # (rows * W, bs, H_kv, D)
+        return x.view(rows, -1, *x.shape[2:]).transpose(1, 2)
     shape = (pages.numel(), *cache.shape[1:])
     if out is None:
         x = cache.index_select(0, pages)                               # (rows * W, bs, H_kv, D)
@@ -93,6 +97,8 @@ def gather_pages(cache: torch.Tensor, pages: torch.Tensor, rows: int, out: torch
 
 def workspace_for(plan: PagedPlan, cache: torch.Tensor, workspace: torch.Tensor | None) -> torch.Tensor:
     """A flat buffer big enough for this step's decode gathers (the old one if it is)."""
+    if isinstance(cache, QuantizedKV):
+        return None                                                    # dequantizing makes a new tensor anyway
     need = plan.num_pages * cache[0].numel()
     if workspace is None or workspace.numel() < need or workspace.dtype != cache.dtype:
         workspace = cache.new_empty(int(need * 1.25) + 1)              # room to grow a little
@@ -106,7 +112,7 @@ def paged_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tenso
     for g in plan.groups:
         n = g.rows.numel()
         span = slice(g.offset * page, (g.offset + g.pages.numel()) * page)
-        kw, vw = (None, None) if plan.workspace is None else (w[span] for w in plan.workspace)
+        kw, vw = (None, None) if plan.workspace is None else (w if w is None else w[span] for w in plan.workspace)
         qd = q[g.rows][:, :, None]                                          # (n, H, 1, D)
         kd = gather_pages(k_cache, g.pages, n, kw)                          # (n, H_kv, S, D)
         vd = gather_pages(v_cache, g.pages, n, vw)

@@ -50,12 +50,35 @@ def _online_softmax_step(s, v, m_i, l_i, acc, IEEE: tl.constexpr):
 
 
 @triton.jit
+def _load_kv(X, X_s, x_off, s_off, row_ok, d_ok, offs_d, BITS: tl.constexpr):
+    """A (BLOCK_N, BLOCK_D) tile of cached keys or values, float32 (or the cache's float dtype).
+    x_off, s_off (BLOCK_N,): where each row's values and scales start. BITS 0: a float cache;
+    8: int8 codes times the row's scale; 4: two 4-bit codes per byte (value 2j low, 2j + 1 high),
+    w = q d + m with d, m per group of 32 values (`kv/quantized.py`)."""
+    mask = row_ok[:, None] & d_ok[None, :]
+    if BITS == 8:
+        q = tl.load(X + x_off[:, None] + offs_d[None, :], mask=mask, other=0).to(tl.float32)
+        s = tl.load(X_s + s_off, mask=row_ok, other=0.0).to(tl.float32)
+        return q * s[:, None]
+    elif BITS == 4:
+        b = tl.load(X + x_off[:, None] + (offs_d // 2)[None, :], mask=mask, other=0)   # each byte twice
+        q = tl.where((offs_d % 2 == 0)[None, :], b & 0x0F, b >> 4).to(tl.float32)
+        dm = s_off[:, None] + 2 * (offs_d // 32)[None, :]                              # (d, m) of the group
+        d = tl.load(X_s + dm, mask=mask, other=0.0).to(tl.float32)
+        m = tl.load(X_s + dm + 1, mask=mask, other=0.0).to(tl.float32)
+        return q * d + m
+    else:
+        return tl.load(X + x_off[:, None] + offs_d[None, :], mask=mask, other=0.0)
+
+
+@triton.jit
 def _flash_fwd_kernel(
     Q, K, V, O, cu_q, cu_k, scale_log2, block_table, s_bt,
     sq_t, sq_h, sk_t, sk_h, sv_t, sv_h, so_t, so_h,       # strides (the last dim is contiguous)
+    K_s, V_s, ss_t, ss_h,                                 # scales of a quantized cache (KV_BITS 8 or 4)
     D: tl.constexpr, GROUP: tl.constexpr, CAUSAL: tl.constexpr, IEEE: tl.constexpr,
     BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_D: tl.constexpr,
-    PAGED: tl.constexpr, PAGE: tl.constexpr,
+    PAGED: tl.constexpr, PAGE: tl.constexpr, KV_BITS: tl.constexpr,
 ):
     # One program: BLOCK_M queries of one sequence, one query head.
     m_block, seq, head = tl.program_id(0), tl.program_id(1), tl.program_id(2)
@@ -83,15 +106,16 @@ def _flash_fwd_kernel(
         end_n = tl.minimum(k_len, (m_block + 1) * BLOCK_M + offset)  # tiles wholly above the diagonal: skipped
     for start_n in range(0, end_n, BLOCK_N):
         cols = start_n + offs_n
-        kv_mask = (cols[:, None] < k_len) & d_ok[None, :]
         if PAGED:  # key j of this sequence lives in page block_table[seq, j // PAGE], at row j % PAGE
             page = tl.load(block_table + seq * s_bt + cols // PAGE, mask=cols < k_len, other=0)
             rows = page * PAGE + cols % PAGE
         else:      # packed: the sequence's keys follow one another from k_start
             rows = k_start + cols
-        # Read a K tile and a V tile: 2 x BLOCK_N x D x e bytes.
-        k = tl.load(K + rows[:, None] * sk_t + kv_head * sk_h + offs_d[None, :], mask=kv_mask, other=0.0)
-        v = tl.load(V + rows[:, None] * sv_t + kv_head * sv_h + offs_d[None, :], mask=kv_mask, other=0.0)
+        # Read a K tile and a V tile: 2 x BLOCK_N x D x e bytes (quantized: D or D / 2 bytes a row, + scales).
+        row_ok = cols < k_len
+        s_off = rows * ss_t + kv_head * ss_h
+        k = _load_kv(K, K_s, rows * sk_t + kv_head * sk_h, s_off, row_ok, d_ok, offs_d, KV_BITS).to(q.dtype)
+        v = _load_kv(V, V_s, rows * sv_t + kv_head * sv_h, s_off, row_ok, d_ok, offs_d, KV_BITS).to(q.dtype)
         if IEEE:
             s = tl.dot(q, tl.trans(k), input_precision="ieee")
         else:
@@ -112,9 +136,10 @@ def _flash_fwd_kernel(
 def _decode_split_kernel(
     Q, K, V, seqlens, O_part, LSE_part, scale_log2, keys_per_split, block_table, s_bt,
     sq_b, sq_h, sk_b, sk_t, sk_h, sv_b, sv_t, sv_h, so_b, so_h, so_s, sl_b, sl_h,
+    K_s, V_s, ss_b, ss_t, ss_h,                           # scales of a quantized cache (KV_BITS 8 or 4)
     D: tl.constexpr, GROUP: tl.constexpr, IEEE: tl.constexpr,
     BLOCK_H: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_D: tl.constexpr,
-    PAGED: tl.constexpr, PAGE: tl.constexpr,
+    PAGED: tl.constexpr, PAGE: tl.constexpr, KV_BITS: tl.constexpr,
 ):
     # One program: one sequence, one KV head with all GROUP query heads it serves, one slice of keys.
     b, kv_head, split = tl.program_id(0), tl.program_id(1), tl.program_id(2)
@@ -134,16 +159,17 @@ def _decode_split_kernel(
     acc = tl.zeros([BLOCK_H, BLOCK_D], tl.float32)
     for start_n in range(lo, hi, BLOCK_N):
         cols = start_n + offs_n
-        kv_mask = (cols[:, None] < hi) & d_ok[None, :]
         if PAGED:  # key j lives in page block_table[b, j // PAGE], at row j % PAGE
             page = tl.load(block_table + b * s_bt + cols // PAGE, mask=cols < hi, other=0)
             rows = page * PAGE + cols % PAGE
-            k_off, v_off = rows * sk_t, rows * sv_t
+            k_off, v_off, s_off = rows * sk_t, rows * sv_t, rows * ss_t
         else:      # contiguous: sequence b's own cache, key j at row j
-            k_off, v_off = b * sk_b + cols * sk_t, b * sv_b + cols * sv_t
+            k_off, v_off, s_off = b * sk_b + cols * sk_t, b * sv_b + cols * sv_t, b * ss_b + cols * ss_t
         # Each K/V byte of this slice is read once for all GROUP heads: 2 x BLOCK_N x D x e bytes.
-        k = tl.load(K + k_off[:, None] + kv_head * sk_h + offs_d[None, :], mask=kv_mask, other=0.0)
-        v = tl.load(V + v_off[:, None] + kv_head * sv_h + offs_d[None, :], mask=kv_mask, other=0.0)
+        row_ok = cols < hi
+        s_off = s_off + kv_head * ss_h
+        k = _load_kv(K, K_s, k_off + kv_head * sk_h, s_off, row_ok, d_ok, offs_d, KV_BITS).to(q.dtype)
+        v = _load_kv(V, V_s, v_off + kv_head * sv_h, s_off, row_ok, d_ok, offs_d, KV_BITS).to(q.dtype)
         if IEEE:
             s = tl.dot(q, tl.trans(k), input_precision="ieee") * scale_log2
         else:
@@ -217,6 +243,16 @@ def _check(*tensors) -> None:
             raise ValueError("the last (head) dimension must be contiguous")
 
 
+def _unpack_kv(k, v):
+    """k, v: float tensors or `QuantizedKV` -> (k, v, k scales, v scales, bits). For a float cache the
+    scale pointers are k and v themselves, never read (bits 0)."""
+    from ..kv.quantized import QuantizedKV
+
+    if not isinstance(k, QuantizedKV):
+        return k, v, k, v, 0
+    return k.codes, v.codes, k.scale, v.scale, 8 if k.kv_dtype == "int8" else 4
+
+
 def _blocks(D: int) -> int:
     if D > 256:
         raise ValueError(f"head dim {D} is not supported (at most 256)")
@@ -232,13 +268,16 @@ def flash_attn_varlen(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seq
 
     With a `block_table` (batch, max_blocks) int32, k and v are paged caches
     (num_blocks, block_size, H_kv, D) and cu_seqlens_k still gives each sequence's key count:
-    the new queries attend to a prefix that lives in pages (prefix caching, chunked prefill)."""
+    the new queries attend to a prefix that lives in pages (prefix caching, chunked prefill).
+    k and v may be `QuantizedKV` (int8 or 4-bit codes and their scales): tiles are dequantized as loaded."""
+    k, v, k_s, v_s, bits = _unpack_kv(k, v)
     _check(q, k, v, cu_seqlens_q, cu_seqlens_k)
     total_q, H, D = q.shape
     H_kv = k.shape[-2]
     if H % H_kv:
         raise ValueError(f"query heads ({H}) must be a multiple of KV heads ({H_kv})")
     k, v, page, table = _paged_view(k, v, block_table)
+    k_s, v_s, _, _ = _paged_view(k_s, v_s, block_table) if bits else (k, v, 0, 0)
     batch = cu_seqlens_q.numel() - 1
     out = torch.empty_like(q) if out is None else out
     scale = softmax_scale if softmax_scale is not None else 1.0 / math.sqrt(D)
@@ -246,8 +285,9 @@ def flash_attn_varlen(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seq
     _flash_fwd_kernel[grid](
         q, k, v, out, cu_seqlens_q, cu_seqlens_k, scale * LOG2E, table, table.stride(0),
         q.stride(0), q.stride(1), k.stride(0), k.stride(1), v.stride(0), v.stride(1), out.stride(0), out.stride(1),
+        k_s, v_s, k_s.stride(0), k_s.stride(1),
         D=D, GROUP=H // H_kv, CAUSAL=causal, IEEE=q.dtype == torch.float32,
-        BLOCK_M=block_m, BLOCK_N=block_n, BLOCK_D=_blocks(D), PAGED=block_table is not None, PAGE=page,
+        BLOCK_M=block_m, BLOCK_N=block_n, BLOCK_D=_blocks(D), PAGED=block_table is not None, PAGE=page, KV_BITS=bits,
         num_warps=num_warps, num_stages=num_stages,
     )
     return out
@@ -282,7 +322,8 @@ def decode_attention(q, k_cache, v_cache, cache_seqlens, block_table=None, softm
 
     Contiguous: k_cache, v_cache (B, max_len, H_kv, D). Paged (flash-attn's flash_attn_with_kvcache
     convention): k_cache, v_cache (num_blocks, block_size, H_kv, D) and block_table (B, max_blocks)
-    int32 mapping each sequence's logical blocks to physical ones."""
+    int32 mapping each sequence's logical blocks to physical ones. Either cache may be `QuantizedKV`."""
+    k_cache, v_cache, k_s, v_s, bits = _unpack_kv(k_cache, v_cache)
     _check(q, k_cache, v_cache, cache_seqlens)
     B, H, D = q.shape
     H_kv = k_cache.shape[2]
@@ -290,6 +331,7 @@ def decode_attention(q, k_cache, v_cache, cache_seqlens, block_table=None, softm
         raise ValueError(f"query heads ({H}) must be a multiple of KV heads ({H_kv})")
     max_len = k_cache.shape[1] if block_table is None else block_table.shape[1] * k_cache.shape[1]
     k_rows, v_rows, page, table = _paged_view(k_cache, v_cache, block_table)
+    ks_rows, vs_rows, _, _ = _paged_view(k_s, v_s, block_table) if bits else (k_rows, v_rows, 0, 0)
     splits = num_splits or default_num_splits(B, H_kv, max_len, block_n, q.device)
     keys_per_split = triton.cdiv(triton.cdiv(max_len, splits), block_n) * block_n
     splits = triton.cdiv(max_len, keys_per_split)
@@ -300,16 +342,19 @@ def decode_attention(q, k_cache, v_cache, cache_seqlens, block_table=None, softm
     if block_table is None:  # (B, max_len, H_kv, D): strides of batch, token, head
         sk = (k_cache.stride(0), k_cache.stride(1), k_cache.stride(2))
         sv = (v_cache.stride(0), v_cache.stride(1), v_cache.stride(2))
+        ss = (ks_rows.stride(0), ks_rows.stride(1), ks_rows.stride(2))
     else:                    # rows of all pages: (num_blocks * block_size, H_kv, D)
         sk = (0, k_rows.stride(0), k_rows.stride(1))
         sv = (0, v_rows.stride(0), v_rows.stride(1))
+        ss = (0, ks_rows.stride(0), ks_rows.stride(1))
     _decode_split_kernel[(B, H_kv, splits)](
         q, k_rows, v_rows, cache_seqlens, o_part, lse_part, scale * LOG2E, keys_per_split, table, table.stride(0),
         q.stride(0), q.stride(1), *sk, *sv,
         o_part.stride(0), o_part.stride(1), o_part.stride(2), lse_part.stride(0), lse_part.stride(1),
+        ks_rows, vs_rows, *ss,
         D=D, GROUP=group, IEEE=q.dtype == torch.float32,
         BLOCK_H=max(16, triton.next_power_of_2(group)), BLOCK_N=block_n, BLOCK_D=_blocks(D),
-        PAGED=block_table is not None, PAGE=page,
+        PAGED=block_table is not None, PAGE=page, KV_BITS=bits,
     )
     out = torch.empty_like(q) if out is None else out
     _decode_reduce_kernel[(B, H)](

@@ -21,6 +21,7 @@ import torch
 
 from ..generate import first_stop
 from ..kv import BlockPool, kv_cache_bytes
+from ..kv.quantized import check_kv_dtype
 from ..kv.prefix_cache import PrefixCachingPool, chain_hashes
 from ..sampling import SamplingParams, sample_next_token
 from .request import Request, RequestMetrics, RequestOutput, Status
@@ -38,8 +39,10 @@ class LLMEngine:
                  block_size: int = 16, num_blocks: int | None = None, kv_cache_memory: int | None = None,
                  policy: str = "continuous", enable_chunked_prefill: bool = True,
                  max_model_len: int | None = None, attention: str = "auto", enable_prefix_caching: bool = True,
-                 speculative=None, num_speculative_tokens: int = 4, verbose: bool = True):
+                 speculative=None, num_speculative_tokens: int = 4, kv_cache_dtype: str | None = "model",
+                 verbose: bool = True):
         cfg = model.cfg
+        kv_dtype = getattr(model, "kv_cache_dtype", None) if kv_cache_dtype == "model" else kv_cache_dtype
         self.model, self.tokenizer = model, tokenizer
         self.max_model_len = min(max_model_len or cfg.max_seq_len, cfg.max_seq_len)
         if not enable_chunked_prefill and max_num_batched_tokens < self.max_model_len:
@@ -48,14 +51,15 @@ class LLMEngine:
                              f"raise it, lower max_model_len, or enable chunked prefill")
         if block_size < 1:
             raise ValueError(f"block_size must be >= 1; got {block_size}")
-        block_bytes = kv_cache_bytes(cfg, block_size, model.dtype)
+        check_kv_dtype(kv_dtype)
+        block_bytes = kv_cache_bytes(cfg, block_size, model.dtype, kv_dtype)
         if num_blocks is None:
             num_blocks = (DEFAULT_KV_CACHE_MEMORY if kv_cache_memory is None else kv_cache_memory) // block_bytes
         if num_blocks < 1:
             raise ValueError(f"the KV cache holds no block: one block of {block_size} tokens takes {block_bytes} "
                              f"bytes; give kv_cache_memory >= {block_bytes} or num_blocks >= 1")
         pool_cls = PrefixCachingPool if enable_prefix_caching else BlockPool
-        self.pool = pool_cls(cfg, num_blocks, block_size, model.dtype, model.device)
+        self.pool = pool_cls(cfg, num_blocks, block_size, model.dtype, model.device, kv_dtype)
         self.prefix_caching = enable_prefix_caching
         self.capacity_tokens = num_blocks * block_size
         self.max_len = min(self.max_model_len, self.capacity_tokens)   # longest request that can ever run
@@ -71,7 +75,7 @@ class LLMEngine:
         say = logger.info if verbose else logger.debug
         say("KV cache: %d blocks x %d tokens = %d tokens (%.0f MiB, %s); %s batching, %d tokens and %d sequences "
             "per step; prefix caching %s; speculative decoding %s", num_blocks, block_size, self.capacity_tokens, num_blocks * block_bytes / 2**20,
-            str(model.dtype).removeprefix("torch."), policy, max_num_batched_tokens, max_num_seqs,
+            kv_dtype or str(model.dtype).removeprefix("torch."), policy, max_num_batched_tokens, max_num_seqs,
             "on" if enable_prefix_caching else "off",
             f"{self.speculator.proposer.name}, k={num_speculative_tokens}" if self.speculator else "off")
 

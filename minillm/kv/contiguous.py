@@ -11,7 +11,9 @@ new slot and attends over all slots so far. Slot s holds position s, so a query
 at position p may attend slots 0 .. p (`mask_from_positions`), which also hides
 a shorter sequence's unused slots in a batch.
 
-Size: tokens x layers x kv_heads x head_dim x 2 (K and V) x bytes per value.
+Size: tokens x layers x kv_heads x head_dim x 2 (K and V) x bytes per value. With
+`kv_dtype="int8"` or `"int4"` the values are stored quantized (`quantized.py`) and read back
+dequantized: 1 or 1/2 byte per value, plus a float16 scale per token and KV head.
 """
 from __future__ import annotations
 
@@ -19,22 +21,28 @@ import torch
 
 from ..attention import mask_from_positions
 from ..config import ModelConfig
+from .quantized import QuantizedKV, check_kv_dtype, kv_bytes_per_value
 
 
-def kv_cache_bytes(cfg: ModelConfig, num_tokens: int, dtype: torch.dtype = torch.float32) -> int:
-    """Bytes of K and V for `num_tokens` tokens: tokens x layers x kv_heads x head_dim x 2 x bytes."""
-    bytes_per_value = torch.empty(0, dtype=dtype).element_size()
-    return num_tokens * cfg.n_layers * cfg.n_kv_heads * cfg.head_dim * 2 * bytes_per_value
+def kv_cache_bytes(cfg: ModelConfig, num_tokens: int, dtype: torch.dtype = torch.float32,
+                   kv_dtype: str | None = None) -> int:
+    """Bytes of K and V for `num_tokens` tokens: tokens x layers x kv_heads x head_dim x 2 x bytes per value."""
+    per_value = kv_bytes_per_value(kv_dtype, cfg.head_dim, dtype)
+    return int(num_tokens * cfg.n_layers * cfg.n_kv_heads * cfg.head_dim * 2 * per_value)
 
 
 class KVCache:
     """K/V for a batch of sequences, each up to `max_len` tokens, preallocated."""
 
     def __init__(self, cfg: ModelConfig, batch: int, max_len: int,
-                 dtype: torch.dtype = torch.float32, device: str | torch.device = "cpu"):
+                 dtype: torch.dtype = torch.float32, device: str | torch.device = "cpu", kv_dtype: str | None = None):
+        check_kv_dtype(kv_dtype)
         shape = (cfg.n_layers, batch, cfg.n_kv_heads, max_len, cfg.head_dim)
-        self.k = torch.zeros(shape, dtype=dtype, device=device)
-        self.v = torch.zeros(shape, dtype=dtype, device=device)
+        if kv_dtype:
+            self.k, self.v = (QuantizedKV.zeros(shape, kv_dtype, dtype, device) for _ in range(2))
+        else:
+            self.k = torch.zeros(shape, dtype=dtype, device=device)
+            self.v = torch.zeros(shape, dtype=dtype, device=device)
         self.max_len = max_len
         self.lengths = [0] * batch   # tokens stored per sequence
         self._starts: list[int] = []  # where this step writes, per sequence
@@ -70,7 +78,10 @@ class KVCache:
                 self.k[layer, b, :, s:s + T] = k[b]
                 self.v[layer, b, :, s:s + T] = v[b]
         end = max(self._starts) + T
-        return self.k[layer, :, :, :end], self.v[layer, :, :, :end]
+        k, v = self.k[layer, :, :, :end], self.v[layer, :, :, :end]
+        if isinstance(k, QuantizedKV):   # attention reads them back in the model's dtype
+            return k.dequantize(), v.dequantize()
+        return k, v
 
     def commit(self, new_tokens: list[int] | None = None) -> None:
         """After the forward pass: each sequence now holds `new_tokens[b]` more tokens

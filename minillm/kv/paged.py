@@ -12,6 +12,9 @@ Blocks carry reference counts, so sequences can share them: a forked sequence (p
 sampling, a shared prompt) points at its parent's blocks; the first write into a shared,
 partly filled block copies it first (copy-on-write). Free blocks wait in a deque.
 
+With `kv_dtype="int8"` or `"int4"`, K and V are `QuantizedKV` (`quantized.py`): codes and a scale
+per token and KV head, indexed like the float tensors, quantized on write.
+
 Every operation checks before it changes anything: running out of blocks raises
 `OutOfBlocks`, which a scheduler catches to preempt, and leaves the pool as it was.
 """
@@ -22,6 +25,7 @@ from collections import deque
 import torch
 
 from ..config import ModelConfig
+from .quantized import QuantizedKV, check_kv_dtype
 
 
 class OutOfBlocks(RuntimeError):
@@ -30,12 +34,17 @@ class OutOfBlocks(RuntimeError):
 
 class BlockPool:
     def __init__(self, cfg: ModelConfig, num_blocks: int, block_size: int = 16,
-                 dtype: torch.dtype = torch.float32, device: str | torch.device = "cpu"):
+                 dtype: torch.dtype = torch.float32, device: str | torch.device = "cpu", kv_dtype: str | None = None):
         if num_blocks < 1 or block_size < 1:
             raise ValueError(f"num_blocks and block_size must be >= 1; got {num_blocks}, {block_size}")
+        check_kv_dtype(kv_dtype)
         shape = (cfg.n_layers, num_blocks, block_size, cfg.n_kv_heads, cfg.head_dim)
-        self.k = torch.zeros(shape, dtype=dtype, device=device)
-        self.v = torch.zeros(shape, dtype=dtype, device=device)
+        if kv_dtype:
+            self.k, self.v = (QuantizedKV.zeros(shape, kv_dtype, dtype, device) for _ in range(2))
+        else:
+            self.k = torch.zeros(shape, dtype=dtype, device=device)
+            self.v = torch.zeros(shape, dtype=dtype, device=device)
+        self.kv_dtype = kv_dtype
         self.num_blocks, self.block_size = num_blocks, block_size
         self.free: deque[int] = deque(range(num_blocks))
         self.refcount = [0] * num_blocks
@@ -156,5 +165,5 @@ class BlockPool:
     def gather(self, layer: int, seq: int) -> tuple[torch.Tensor, torch.Tensor]:
         """The readable reference: K, V of `seq` as contiguous (length, n_kv, hd) tensors."""
         slots = self.slots(seq, 0, self.lengths[seq])
-        return (self.k[layer].reshape(-1, *self.k.shape[3:])[slots],
-                self.v[layer].reshape(-1, *self.v.shape[3:])[slots])
+        k, v = (c[layer].view(-1, *c.shape[3:])[slots] for c in (self.k, self.v))
+        return (k.dequantize(), v.dequantize()) if self.kv_dtype else (k, v)

@@ -15,6 +15,8 @@ from pathlib import Path
 
 import torch
 
+from ..kv import KVCache
+
 HELDOUT = Path(__file__).resolve().parents[2] / "data" / "heldout.txt"
 
 
@@ -25,10 +27,15 @@ def heldout_ids(tokenizer, path: str | Path = HELDOUT, max_tokens: int | None = 
 
 
 @torch.inference_mode()
-def next_token_logprobs(model, ids: list[int]) -> torch.Tensor:
-    """(T, vocab) float32 log-softmax of the model's prediction after each token of `ids`, one pass."""
+def next_token_logprobs(model, ids: list[int], kv_cache_dtype: str | None = None) -> torch.Tensor:
+    """(T, vocab) float32 log-softmax of the model's prediction after each token of `ids`, one pass.
+    kv_cache_dtype: attention reads K/V back from a cache stored that way (as every decode step would)."""
     x = torch.tensor([ids], device=model.device)
-    return torch.log_softmax(model(x)[0].float(), dim=-1).cpu()
+    cache = None
+    if kv_cache_dtype:
+        cache = KVCache(model.cfg, 1, len(ids), model.dtype, model.device, kv_cache_dtype)
+        cache.begin(len(ids))
+    return torch.log_softmax(model(x, cache=cache)[0].float(), dim=-1).cpu()
 
 
 def compare(ref: torch.Tensor, other: torch.Tensor, ids: list[int]) -> dict[str, float]:
