@@ -1,8 +1,10 @@
-"""Quantization: fewer bytes per weight (stage 7).
+"""Quantization: fewer bytes per weight (stage 7). The KV cache's int8 / 4-bit storage is in
+`minillm.kv.quantized`.
 
     gguf_blocks.py   the file's own 4-bit and 8-bit blocks (Q4_1, Q8_0), read without going through
                      float32 into packed tensors that dequantize to exactly what llama.cpp computes
     linear.py        quantized linear layers (int8, w8a8, 4-bit) and the CPU kernels they call
+    triton_matmul.py the GPU kernel: dequantize 8- or 4-bit weight tiles in registers and multiply
     apply.py         quantize_model(model, "int8" | "w8a8" | "q4" | "q4_file"): swap them in, in place
     smoothquant.py   per-channel scales that move activation outliers into the weights (for w8a8)
     quality.py       KL divergence, top-1 agreement and perplexity against the float32 model

@@ -13,10 +13,10 @@ from __future__ import annotations
 from pathlib import Path
 
 import torch
-import torch.nn.functional as F
 from torch import nn
 from tqdm import tqdm
 
+from ..roofline import weight_bytes  # noqa: F401  (re-exported: bytes of a quantized model)
 from .gguf_blocks import Q4Weight, read_q4_1
 from .linear import Int8Linear, Q4Linear, W8A8Linear
 
@@ -107,13 +107,3 @@ def _file_q4_weights(cfg, path) -> dict[str, Q4Weight]:
         out[f"layers.{i}.mlp.w_gate_up"] = cat([read(b + "ffn_gate.weight"), read(b + "ffn_up.weight")])
         out[f"layers.{i}.mlp.w_down"] = read(b + "ffn_down.weight")
     return out
-
-
-def weight_bytes(model) -> int:
-    """Bytes of every parameter and buffer the model holds (quantized codes, scales, norms)."""
-    seen, total = set(), 0
-    for t in list(model.parameters()) + list(model.buffers()):
-        if t.data_ptr() not in seen:
-            seen.add(t.data_ptr())
-            total += t.numel() * t.element_size()
-    return total

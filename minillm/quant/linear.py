@@ -21,7 +21,9 @@ Why these ops and not a library: `torchao` ships its CPU kernels compiled agains
 and loads none of them with torch 2.13; `torch.ao.quantization` is deprecated in favour of torchao,
 but the `quantized::` fbgemm ops it wraps are part of torch 2.13 and are what W8A8Linear calls
 (creating their quantized weight prints a deprecation warning, silenced here). On devices without
-these CPU ops (a GPU), every layer dequantizes its weight and calls `F.linear`: correct, not fast.
+these CPU ops, Int8Linear and Q4Linear call a Triton kernel on an NVIDIA GPU (`triton_matmul.py`) that
+dequantizes tiles in registers; W8A8Linear (and everything on other devices) dequantizes its weight and
+calls `F.linear`: correct, not fast.
 """
 from __future__ import annotations
 
@@ -60,6 +62,9 @@ class Int8Linear(nn.Module):
         return (self.q.to(dtype) * self.scale[:, None].to(dtype))       # (out, in)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
+        if x.is_cuda:                                                   # Triton: dequantize in registers
+            from .triton_matmul import int8_matmul
+            return int8_matmul(x, self.q, self.scale)
         x2 = _rows(x).bfloat16()                                        # (rows, in)
         if x.device.type == "cpu" and x2.shape[0] <= SMALL_ROWS:
             y = torch._weight_int8pack_mm(x2, self.q, self.scale_bf16)  # (rows, out)
@@ -80,6 +85,7 @@ class W8A8Linear(nn.Module):
 
     def __init__(self, w: torch.Tensor, smooth: torch.Tensor | None = None, reduce_range: bool = False):
         super().__init__()
+        self.per_token = True       # False: one scale for the whole input, as quantize_dynamic does (the lesson)
         w = w.float()
         self.in_features, self.out_features = w.shape[1], w.shape[0]
         if smooth is not None:
@@ -111,6 +117,8 @@ class W8A8Linear(nn.Module):
         if self.inv_smooth is not None:
             x2 = x2 * self.inv_smooth
         tok = x2.abs().amax(dim=1, keepdim=True).clamp_min(1e-12)       # (rows, 1) per-token scale
+        if not self.per_token:
+            tok = tok.amax().expand_as(tok)                             # the largest over every token
         if self.packed is not None and x.device.type == "cpu":
             # fbgemm picks its grid from the tensor's min and max; one extra row holding -1 and 1 pins it
             # to [-1, 1] whatever the batch, so a token's result does not depend on its neighbours
@@ -172,6 +180,9 @@ class Q4Linear(nn.Module):
         return ((q - 8) * s[..., None] + z[..., None]).view(out, n)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
+        if x.is_cuda and not self.cpu_kernel:                                    # Triton, the file's layout
+            from .triton_matmul import q4_matmul
+            return q4_matmul(x, self.packed, self.scale, self.min)
         x2 = _rows(x).bfloat16()                                                 # (rows, in)
         if not self.cpu_kernel:
             y = F.linear(x2, self.dequantize(torch.bfloat16))
