@@ -12,7 +12,7 @@ from minillm.engine import LLMEngine
 from minillm.generate import generate
 from minillm.quant import FORMATS, Int8Linear, Q4Linear, W8A8Linear, quantize_model, weight_bytes
 from minillm.quant.apply import LINEARS
-from minillm.quant.linear import SMALL_ROWS, quantize_q4_1
+from minillm.quant.linear import SMALL_ROWS, cpu_has_vnni, quantize_q4_1
 from minillm.quant.quality import compare, heldout_ids, next_token_logprobs
 from minillm.sampling import SamplingParams
 
@@ -49,19 +49,20 @@ def test_quantized_weights_are_close_to_the_float_ones(out, n):
 
 
 @pytest.mark.parametrize("rows", [1, 5, 40])
-def test_w8a8_gives_each_token_its_own_scale(rows):
+@pytest.mark.parametrize("reduce_range", [False, True])
+def test_w8a8_gives_each_token_its_own_scale(rows, reduce_range):
     """One huge token must not flatten the others: the fbgemm kernel equals the per-token emulation."""
     g = torch.Generator().manual_seed(rows)
     w = torch.randn(96, 64, generator=g) * 0.05
     x = torch.randn(rows, 64, generator=g)
     x[0] *= 1000                                                      # an outlier token
-    layer = W8A8Linear(w, smooth=torch.rand(64, generator=g) + 0.5)
+    layer = W8A8Linear(w, smooth=torch.rand(64, generator=g) + 0.5, reduce_range=reduce_range)
     y = layer(x)
     packed, layer.packed = layer.packed, None                         # the float emulation of the same math
     ref = layer(x)
     layer.packed = packed
     for r in range(rows):
-        assert rel_err(y[r], ref[r]) < 2e-2, f"token {r}"
+        assert rel_err(y[r], ref[r]) < 3e-2, f"token {r}"
     if rows > 1:
         assert rel_err(y[1:], F.linear(x[1:], w)) < 5e-2              # small tokens stay accurate
 
@@ -113,8 +114,9 @@ def test_weights_shrink(model, quantized):
 
 
 # Mean KL from float32 on the held-out text, measured (first 256 tokens, 2026-11-30): bfloat16 0.001,
-# int8 0.006, w8a8 0.017, q4 and q4_file 0.002. The bounds leave room for other CPUs' rounding.
-KL_BOUND = {"bfloat16": 0.005, "int8": 0.02, "w8a8": 0.05, "q4": 0.01, "q4_file": 0.01}
+# int8 0.006, w8a8 0.018 (0.059 with 7-bit activations, on CPUs without VNNI), q4 and q4_file 0.003.
+# The bounds leave room for other CPUs' rounding.
+KL_BOUND = {"bfloat16": 0.005, "int8": 0.02, "w8a8": 0.05 if cpu_has_vnni() else 0.12, "q4": 0.01, "q4_file": 0.01}
 
 
 @pytest.mark.parametrize("fmt", list(KL_BOUND))

@@ -28,6 +28,8 @@ calls `F.linear`: correct, not fast.
 from __future__ import annotations
 
 import warnings
+from functools import lru_cache
+from pathlib import Path
 
 import torch
 import torch.nn.functional as F
@@ -36,6 +38,16 @@ from torch import nn
 from .gguf_blocks import GROUP, Q4Weight
 
 SMALL_ROWS = 16   # up to this many rows the weight-only kernels beat dequantize + bfloat16 matmul
+
+
+@lru_cache(maxsize=1)
+def cpu_has_vnni() -> bool:
+    """Whether the CPU says it has VNNI (8-bit dot products into 32 bits); read on Linux only."""
+    try:
+        flags = Path("/proc/cpuinfo").read_text()
+    except OSError:
+        return False
+    return "avx512_vnni" in flags or "avx_vnni" in flags
 
 
 def _rows(x: torch.Tensor) -> torch.Tensor:
@@ -78,12 +90,18 @@ class W8A8Linear(nn.Module):
 
     fbgemm quantizes its input with one scale for the whole tensor: across a batch, one outlier token
     would then flatten the rest. Dividing each row by its own largest |x| first, and multiplying the
-    output rows back, gives every token its own scale (and the same result in any batch). `smooth` (in,) divides the activations' input
-    channels and multiplies the weight's columns (SmoothQuant): the product is unchanged, but outlier
-    channels move into the weight, which quantizes per row and minds them less.
+    output rows back, gives every token its own scale (and the same result in any batch). `smooth` (in,)
+    divides the activations' input channels and multiplies the weight's columns (SmoothQuant): the
+    product is unchanged, but outlier channels move into the weight, which quantizes per row and minds
+    them less.
+
+    reduce_range: activations in 7 bits instead of 8. x86 CPUs without VNNI instructions add pairs of
+    8-bit products in 16 bits, which can overflow with 8-bit activations; fbgemm's remedy is 7 bits,
+    which moves the model about 3x further (mean KL 0.06 instead of 0.02 on the held-out text). The
+    default: 8 bits where the CPU reports VNNI, 7 elsewhere.
     """
 
-    def __init__(self, w: torch.Tensor, smooth: torch.Tensor | None = None, reduce_range: bool = False):
+    def __init__(self, w: torch.Tensor, smooth: torch.Tensor | None = None, reduce_range: bool | None = None):
         super().__init__()
         self.per_token = True       # False: one scale for the whole input, as quantize_dynamic does (the lesson)
         w = w.float()
@@ -94,17 +112,20 @@ class W8A8Linear(nn.Module):
         else:
             self.inv_smooth = None
         self.int8 = Int8Linear.from_float(w)                            # the stored weight, for dequantize()
-        self.reduce_range = reduce_range
+        self.reduce_range = not cpu_has_vnni() if reduce_range is None else reduce_range
         pin = torch.zeros(1, self.in_features)
         pin[0, 0], pin[0, -1] = -1.0, 1.0
         self.register_buffer("pin", pin)
         self.packed = None
-        if hasattr(torch.ops.quantized, "linear_prepack"):
-            with warnings.catch_warnings():
-                warnings.simplefilter("ignore")                         # quantized tensors are deprecated
-                qw = torch._make_per_channel_quantized_tensor(
-                    self.int8.q, self.int8.scale.double(), torch.zeros(self.out_features, dtype=torch.long), 0)
-                self.packed = torch.ops.quantized.linear_prepack(qw, None)
+        if hasattr(torch.ops.quantized, "linear_prepack") and w.device.type == "cpu":
+            try:
+                with warnings.catch_warnings():
+                    warnings.simplefilter("ignore")                     # quantized tensors are deprecated
+                    qw = torch._make_per_channel_quantized_tensor(
+                        self.int8.q, self.int8.scale.double(), torch.zeros(self.out_features, dtype=torch.long), 0)
+                    self.packed = torch.ops.quantized.linear_prepack(qw, None)
+            except RuntimeError:                                        # no fbgemm here (e.g. an ARM Mac)
+                self.packed = None
 
     def dequantize(self, dtype=torch.float32) -> torch.Tensor:
         w = self.int8.dequantize(torch.float32)
@@ -124,8 +145,9 @@ class W8A8Linear(nn.Module):
             # to [-1, 1] whatever the batch, so a token's result does not depend on its neighbours
             xn = torch.cat([x2 / tok, self.pin], dim=0)                       # (rows + 1, in)
             y = torch.ops.quantized.linear_dynamic(xn, self.packed, self.reduce_range)[:-1] * tok
-        else:   # the same arithmetic in floating point: round each token to 255 levels, multiply
-            xq = torch.round(x2 / tok * 127).clamp(-127, 127) * (tok / 127)
+        else:   # the same arithmetic in floating point: round each token to 255 (127) levels, multiply
+            levels = 63 if self.reduce_range else 127
+            xq = torch.round(x2 / tok * levels).clamp(-levels, levels) * (tok / levels)
             y = F.linear(xq, self.int8.dequantize(torch.float32))
         return y.to(x.dtype).view(*x.shape[:-1], self.out_features)
 
