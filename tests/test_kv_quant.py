@@ -3,6 +3,7 @@ store and return them like float ones (views, copy-on-write, gathers), they take
 promise, and the model's next-token distribution moves no more than measured."""
 import pytest
 import torch
+from helpers.engine_check import assert_engine_matches_solo
 
 import minillm
 from minillm.engine import LLMEngine
@@ -85,20 +86,8 @@ GREEDY = SamplingParams(max_tokens=12, ignore_eos=True)
 
 
 def test_engine_with_int8_kv_batches_chunks_and_preempts_without_changing_tokens(tokenizer):
-    m = minillm.load_model(kv_cache_dtype="int8")
-    prompts = [tokenizer.encode(t) for t in TEXTS]
-    solo = [generate(m, tokenizer, p, GREEDY, stage="kv").token_ids for p in prompts]
-    engine = LLMEngine(m, tokenizer, block_size=4, num_blocks=12, max_num_batched_tokens=8)
+    engine = assert_engine_matches_solo(minillm.load_model(kv_cache_dtype="int8"), tokenizer, TEXTS, GREEDY)
     assert engine.pool.kv_dtype == "int8"
-    for i, p in enumerate(prompts):
-        engine.add_request(i, p, GREEDY)
-    finals = {}
-    while engine.has_unfinished_requests():
-        for out in engine.step():
-            if out.finished:
-                finals[out.request_id] = out
-    assert engine.stats()["num_preemptions"] > 0
-    assert [finals[i].token_ids for i in range(len(prompts))] == solo
 
 
 def test_bad_kv_dtype_and_unsupported_stage_say_what_to_do(tokenizer):

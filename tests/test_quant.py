@@ -6,10 +6,9 @@ import copy
 import pytest
 import torch
 import torch.nn.functional as F
+from helpers.engine_check import assert_engine_matches_solo
 
 import minillm
-from minillm.engine import LLMEngine
-from minillm.generate import generate
 from minillm.quant import FORMATS, Int8Linear, Q4Linear, W8A8Linear, quantize_model, weight_bytes
 from minillm.quant.apply import LINEARS
 from minillm.quant.linear import SMALL_ROWS, cpu_has_vnni, quantize_q4_1
@@ -138,19 +137,7 @@ GREEDY = SamplingParams(max_tokens=12, ignore_eos=True)
 # its layers are batch-invariant (test below), its whole-model tokens in a batch are not guaranteed.
 @pytest.mark.parametrize("fmt", ["q4_file", "int8"])
 def test_engine_batches_chunks_and_preempts_a_quantized_model_without_changing_tokens(quantized, tokenizer, fmt):
-    m = quantized[fmt]
-    prompts = [tokenizer.encode(t) for t in TEXTS]
-    solo = [generate(m, tokenizer, p, GREEDY, stage="kv").token_ids for p in prompts]
-    engine = LLMEngine(m, tokenizer, block_size=4, num_blocks=12, max_num_batched_tokens=8)
-    for i, p in enumerate(prompts):
-        engine.add_request(i, p, GREEDY)
-    finals = {}
-    while engine.has_unfinished_requests():
-        for out in engine.step():
-            if out.finished:
-                finals[out.request_id] = out
-    assert engine.stats()["num_preemptions"] > 0
-    assert [finals[i].token_ids for i in range(len(prompts))] == solo
+    assert_engine_matches_solo(quantized[fmt], tokenizer, TEXTS, GREEDY)
 
 
 def test_bad_format_names_the_choices():

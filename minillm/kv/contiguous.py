@@ -21,7 +21,7 @@ import torch
 
 from ..attention import mask_from_positions
 from ..config import ModelConfig
-from .quantized import QuantizedKV, check_kv_dtype, kv_bytes_per_value
+from .quantized import QuantizedKV, kv_bytes_per_value, kv_tensors
 
 
 def kv_cache_bytes(cfg: ModelConfig, num_tokens: int, dtype: torch.dtype = torch.float32,
@@ -36,13 +36,8 @@ class KVCache:
 
     def __init__(self, cfg: ModelConfig, batch: int, max_len: int,
                  dtype: torch.dtype = torch.float32, device: str | torch.device = "cpu", kv_dtype: str | None = None):
-        check_kv_dtype(kv_dtype)
         shape = (cfg.n_layers, batch, cfg.n_kv_heads, max_len, cfg.head_dim)
-        if kv_dtype:
-            self.k, self.v = (QuantizedKV.zeros(shape, kv_dtype, dtype, device) for _ in range(2))
-        else:
-            self.k = torch.zeros(shape, dtype=dtype, device=device)
-            self.v = torch.zeros(shape, dtype=dtype, device=device)
+        self.k, self.v = kv_tensors(shape, dtype, device, kv_dtype)
         self.max_len = max_len
         self.lengths = [0] * batch   # tokens stored per sequence
         self._starts: list[int] = []  # where this step writes, per sequence

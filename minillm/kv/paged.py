@@ -25,7 +25,7 @@ from collections import deque
 import torch
 
 from ..config import ModelConfig
-from .quantized import QuantizedKV, check_kv_dtype
+from .quantized import kv_tensors
 
 
 class OutOfBlocks(RuntimeError):
@@ -37,13 +37,8 @@ class BlockPool:
                  dtype: torch.dtype = torch.float32, device: str | torch.device = "cpu", kv_dtype: str | None = None):
         if num_blocks < 1 or block_size < 1:
             raise ValueError(f"num_blocks and block_size must be >= 1; got {num_blocks}, {block_size}")
-        check_kv_dtype(kv_dtype)
         shape = (cfg.n_layers, num_blocks, block_size, cfg.n_kv_heads, cfg.head_dim)
-        if kv_dtype:
-            self.k, self.v = (QuantizedKV.zeros(shape, kv_dtype, dtype, device) for _ in range(2))
-        else:
-            self.k = torch.zeros(shape, dtype=dtype, device=device)
-            self.v = torch.zeros(shape, dtype=dtype, device=device)
+        self.k, self.v = kv_tensors(shape, dtype, device, kv_dtype)
         self.kv_dtype = kv_dtype
         self.num_blocks, self.block_size = num_blocks, block_size
         self.free: deque[int] = deque(range(num_blocks))

@@ -31,6 +31,14 @@ def check_kv_dtype(kv_dtype: str | None) -> None:
         raise ValueError(f"unknown kv_cache_dtype {kv_dtype!r}: choose int8 or int4 (or none: the model's dtype)")
 
 
+def kv_tensors(shape: tuple[int, ...], dtype: torch.dtype, device, kv_dtype: str | None):
+    """K and V storage of `shape` (..., hd), zeroed: float tensors, or `QuantizedKV` for int8 / int4."""
+    check_kv_dtype(kv_dtype)
+    if kv_dtype:
+        return QuantizedKV.zeros(shape, kv_dtype, dtype, device), QuantizedKV.zeros(shape, kv_dtype, dtype, device)
+    return torch.zeros(shape, dtype=dtype, device=device), torch.zeros(shape, dtype=dtype, device=device)
+
+
 def kv_bytes_per_value(kv_dtype: str | None, head_dim: int, dtype: torch.dtype) -> float:
     """Bytes one cached value takes, its share of the scales included."""
     if kv_dtype is None:
