@@ -24,7 +24,6 @@ import torch
 
 from ..attention.paged_torch import paged_attention, plan_paged_attention, workspace_for
 from ..kv import BlockPool
-from ..kv.quantized import QuantizedKV
 from .scheduler import ScheduledBatch
 
 ATTENTION_BACKENDS = ("torch", "triton")
@@ -39,11 +38,8 @@ class _SlotWriter:
     def update(self, layer: int, k: torch.Tensor, v: torch.Tensor):
         """k, v: (1, n_kv, N, hd) -> the layer's whole pool (num_blocks, block_size, n_kv, hd)."""
         kc, vc = self.pool.k[layer], self.pool.v[layer]
-        for cache, new in ((kc, k), (vc, v)):
-            if isinstance(cache, QuantizedKV):                                       # quantized on the way in
-                cache.index_copy_rows(self.slots, new[0].transpose(0, 1))
-            else:
-                cache.view(-1, *cache.shape[2:]).index_copy_(0, self.slots, new[0].transpose(0, 1))   # (slots, n_kv, hd)
+        kc.view(-1, *kc.shape[2:]).index_copy_(0, self.slots, k[0].transpose(0, 1))   # (slots, n_kv, hd)
+        vc.view(-1, *vc.shape[2:]).index_copy_(0, self.slots, v[0].transpose(0, 1))   # (QuantizedKV: quantized)
         return kc, vc
 
 

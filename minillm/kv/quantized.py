@@ -96,11 +96,12 @@ class QuantizedKV:
         self.codes[idx] = value.codes
         self.scale[idx] = value.scale
 
-    def index_copy_rows(self, rows: torch.Tensor, x: torch.Tensor) -> None:
-        """Quantize x (n, *rest, hd) into rows `rows` (n,) of this tensor flattened over its first two dims."""
+    def index_copy_(self, dim: int, index: torch.Tensor, x: torch.Tensor) -> "QuantizedKV":
+        """Like Tensor.index_copy_: quantize x (..., hd) into the entries `index` along `dim` (not the last)."""
         codes, scale = quantize(x, self.kv_dtype)
-        self.codes.view(-1, *self.codes.shape[2:]).index_copy_(0, rows, codes)
-        self.scale.view(-1, *self.scale.shape[2:]).index_copy_(0, rows, scale)
+        self.codes.index_copy_(dim, index, codes)
+        self.scale.index_copy_(dim, index, scale)
+        return self
 
     def index_select(self, dim: int, index: torch.Tensor) -> "QuantizedKV":
         return QuantizedKV(self.codes.index_select(dim, index), self.scale.index_select(dim, index),

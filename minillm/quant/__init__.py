@@ -9,7 +9,8 @@
     smoothquant.py   per-channel scales that move activation outliers into the weights (for w8a8)
     quality.py       KL divergence, top-1 agreement and perplexity against the float32 model
 """
-from .apply import FORMATS, check_format, quantize_model, weight_bytes
+from ..roofline import weight_bytes  # bytes of parameters and buffers: quantized codes and scales too
+from .apply import FORMATS, check_format, quantize_model
 from .gguf_blocks import Q4Weight, Q8Weight, read_q4_1, read_q8_0
 from .linear import Int8Linear, Q4Linear, W8A8Linear
 

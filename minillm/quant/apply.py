@@ -16,7 +16,6 @@ import torch
 from torch import nn
 from tqdm import tqdm
 
-from ..roofline import weight_bytes  # noqa: F401  (re-exported: bytes of a quantized model)
 from .gguf_blocks import Q4Weight, read_q4_1
 from .linear import Int8Linear, Q4Linear, W8A8Linear
 
