@@ -13,6 +13,7 @@ import json
 import os
 import platform
 import statistics
+import subprocess
 import time
 from pathlib import Path
 
@@ -26,19 +27,45 @@ from .sampling import SamplingParams
 DEFAULT_PROMPTS = Path(__file__).resolve().parent.parent / "data" / "prompts.jsonl"
 
 
-def machine_info() -> dict:
-    """CPU model, core count, GPU (if any) and library versions: name the hardware behind a number."""
-    cpu = platform.processor() or platform.machine()
+def _cpu_name() -> str:
+    """The CPU's marketing name: /proc/cpuinfo on Linux, sysctl on macOS, platform elsewhere."""
     try:
         for line in Path("/proc/cpuinfo").read_text().splitlines():
             if line.startswith("model name"):
-                cpu = line.split(":", 1)[1].strip()
-                break
+                return line.split(":", 1)[1].strip()
     except OSError:
         pass
+    if platform.system() == "Darwin":
+        try:
+            return subprocess.run(["sysctl", "-n", "machdep.cpu.brand_string"], capture_output=True, text=True,
+                                  timeout=5).stdout.strip() or platform.machine()
+        except (OSError, subprocess.SubprocessError):
+            pass
+    return platform.processor() or platform.machine()
+
+
+def machine_info() -> dict:
+    """CPU model, core count, memory, GPU (if any) and library versions: name the hardware behind a number."""
+    import psutil
+
     gpu = torch.cuda.get_device_name(0) if torch.cuda.is_available() else None
-    return {"cpu": cpu, "cores": os.cpu_count(), "gpu": gpu, "torch": torch.__version__,
-            "threads": torch.get_num_threads(), "python": platform.python_version()}
+    return {"cpu": _cpu_name(), "cores": os.cpu_count(), "memory_gib": round(psutil.virtual_memory().total / 2**30, 1),
+            "gpu": gpu, "torch": torch.__version__, "threads": torch.get_num_threads(),
+            "python": platform.python_version(), "os": platform.system()}
+
+
+def machine_label(info: dict | None = None) -> str:
+    """One line for a figure's title: 'Intel Xeon ... · 2 cores, 2 threads · 23.5 GiB' (and the GPU, if any)."""
+    info = info or machine_info()
+    label = f"{info['cpu']} · {info['cores']} cores, {info['threads']} threads"
+    if info.get("memory_gib"):
+        label += f" · {info['memory_gib']:g} GiB"
+    return label + (f" · {info['gpu']}" if info.get("gpu") else "")
+
+
+def machine_caption(fig, info: dict | None = None, source: str = "measured live") -> None:
+    """Name the machine under a figure, small and grey: every number in it came from there."""
+    fig.text(0.995, 0.005, f"{source}: {machine_label(info)}", ha="right", va="bottom", fontsize=7, color="gray")
 
 
 def load_prompts(path: str | Path | None = None) -> list[dict]:

@@ -404,6 +404,8 @@ def cmd_course(args) -> None:
         cmd.append("--allow-root")
     if args.port:
         cmd.append(f"--port={args.port}")
+    if sys.platform.startswith("linux") and not (os.environ.get("DISPLAY") or os.environ.get("WAYLAND_DISPLAY")):
+        cmd.append("--no-browser")       # a remote or headless machine: open the printed URL (README: SSH tunnel)
     if args.dry_run:
         print(" ".join(cmd))
         return
@@ -413,6 +415,7 @@ def cmd_course(args) -> None:
 def main(argv=None) -> None:
     import os
 
+    from .triton_support import TritonUnavailable
     from .weights import ModelNotFoundError
 
     if not torch.cuda.is_available():  # Triton kernels (stage flash) run through the interpreter on CPU;
@@ -422,7 +425,7 @@ def main(argv=None) -> None:
     try:
         {"generate": cmd_generate, "chat": cmd_chat, "bench": cmd_bench, "course": cmd_course,
          "serve": cmd_serve}[args.command](args)
-    except (ValueError, ModelNotFoundError) as e:
+    except (ValueError, ModelNotFoundError, TritonUnavailable) as e:
         _fail(str(e))
     except BrokenPipeError:
         sys.stderr.close()

@@ -58,7 +58,7 @@ _libc = None
 def _return_freed_memory_to_the_os() -> None:
     """glibc keeps freed memory for reuse, so an allocation can be served from pages the process
     already holds and a measurement would read low. A fixed mmap threshold makes large blocks go
-    back to the OS when freed, and malloc_trim hands back what is free now."""
+    back to the OS when freed, and malloc_trim hands back what is free now (glibc only)."""
     global _libc
     try:
         if _libc is None:
@@ -72,15 +72,51 @@ def _return_freed_memory_to_the_os() -> None:
         pass
 
 
-def peak_memory_bytes(fn) -> int | None:
-    """Peak extra resident memory while fn() runs (Linux: the kernel's high-water mark, reset first).
-    Returns None where the OS does not offer it. Counts what torch really allocated, temporaries included."""
-    _return_freed_memory_to_the_os()
+def _peak_by_high_water_mark(fn) -> int:
+    """Linux: reset the kernel's high-water mark of resident memory, run fn, read it again. Exact."""
+    with open("/proc/self/clear_refs", "w") as f:
+        f.write("5")                           # reset the high-water mark to the current size
+    base = _rss_peak_kib()
+    fn()
+    return (_rss_peak_kib() - base) * 1024
+
+
+def _peak_by_sampling(fn, interval_s: float = 0.001) -> int:
+    """Anywhere (macOS, Windows): read resident memory every millisecond from a thread while fn runs.
+    A spike shorter than the interval can be missed, so this may read a little low."""
+    import threading
+
+    import psutil
+
+    proc = psutil.Process()
+    base = peak = proc.memory_info().rss
+    done = threading.Event()
+
+    def watch():
+        nonlocal peak
+        while not done.is_set():
+            peak = max(peak, proc.memory_info().rss)
+            done.wait(interval_s)
+
+    watcher = threading.Thread(target=watch, daemon=True)
+    watcher.start()
     try:
-        with open("/proc/self/clear_refs", "w") as f:
-            f.write("5")                       # reset the high-water mark to the current size
-        base = _rss_peak_kib()
         fn()
-        return (_rss_peak_kib() - base) * 1024
-    except OSError:
-        return None
+    finally:
+        done.set()
+        watcher.join()
+    return max(peak, proc.memory_info().rss) - base
+
+
+def peak_memory_bytes(fn, method: str = "auto") -> int:
+    """Peak extra resident memory while fn() runs: what torch really allocated, temporaries included.
+    method "hwm" (Linux: the kernel's high-water mark, reset first, exact), "sample" (any OS: a thread
+    reads the resident size every millisecond), or "auto" (the first that works here)."""
+    _return_freed_memory_to_the_os()
+    if method in ("auto", "hwm"):
+        try:
+            return _peak_by_high_water_mark(fn)
+        except OSError:
+            if method == "hwm":
+                raise
+    return _peak_by_sampling(fn)

@@ -25,6 +25,7 @@ import torch
 
 from .attention import naive_attention, sdpa_attention
 from .kv import KVCache
+from .triton_support import require_triton
 
 
 def _right_pad(seqs: list[list[int]], device) -> tuple[torch.Tensor, list[int]]:
@@ -143,6 +144,7 @@ class FlashRunner(KVCacheRunner):
     name = "flash"
 
     def __init__(self, model, max_len: int | None = None):
+        require_triton("stage flash")
         from .attention import triton_flash
 
         self.kernels = triton_flash
@@ -198,12 +200,13 @@ class PagedRunner(_Runner):
     name = "paged"
 
     def __init__(self, model, max_len: int | None = None, block_size: int = 16, num_blocks: int | None = None):
-        from .attention import triton_paged
-        from .kv import BlockPool
-
         if getattr(model, "kv_cache_dtype", None):
             raise ValueError(f"the paged stage's Triton kernels store float K/V; kv_cache_dtype="
                              f"{model.kv_cache_dtype!r} works with the kv, flash and continuous stages")
+        require_triton("stage paged")
+        from .attention import triton_paged
+        from .kv import BlockPool
+
         self.model, self.kernels = model, triton_paged
         self.max_len = min(max_len or model.cfg.max_seq_len, model.cfg.max_seq_len)
         self.block_size, self.num_blocks = block_size, num_blocks

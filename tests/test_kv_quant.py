@@ -98,6 +98,7 @@ def test_bad_kv_dtype_and_unsupported_stage_say_what_to_do(tokenizer):
         generate(m, tokenizer, [1, 2, 3], GREEDY, stage="paged")
 
 
+@pytest.mark.triton
 @pytest.mark.parametrize("kv", ["int8", "int4"])
 def test_triton_kernels_read_quantized_pages_like_their_dequantized_values(kv):
     """The prefill (varlen) and decode kernels, fed codes and scales, equal the same kernels fed the
@@ -132,6 +133,7 @@ def test_triton_kernels_read_quantized_pages_like_their_dequantized_values(kv):
                                rtol=1e-5, atol=1e-5)
 
 
+@pytest.mark.triton
 def test_engine_triton_backend_reads_an_int8_cache(tokenizer):
     m = minillm.load_model(kv_cache_dtype="int8")
     prompts = [tokenizer.encode(t) for t in TEXTS[:2]]

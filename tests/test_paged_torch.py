@@ -79,6 +79,7 @@ def test_tables_longer_than_the_keys(case):
     assert (out.double() - reference(case, q, ks, vs)).abs().max().item() < 1e-5
 
 
+@pytest.mark.triton
 @pytest.mark.parametrize("case", CASES[1:4])
 def test_triton_backend_matches_reference(case):
     from minillm.attention.triton_flash import flash_attn_varlen
@@ -112,6 +113,7 @@ def tiny_model(seed=0):
     return build_model(cfg, state)
 
 
+@pytest.mark.triton
 def test_engine_gives_the_same_tokens_with_either_backend(tokenizer):
     from minillm.engine import LLMEngine
     from minillm.generate import generate

@@ -27,8 +27,12 @@ from __future__ import annotations
 import math
 
 import torch
-import triton
-import triton.language as tl
+
+from ..triton_support import require_triton
+
+require_triton("stage 3 (the FlashAttention kernels)")
+import triton  # noqa: E402
+import triton.language as tl  # noqa: E402
 
 LOG2E = 1.4426950408889634  # exp(x) = exp2(x * log2(e)): exp2 is the GPU's native instruction
 

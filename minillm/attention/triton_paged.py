@@ -16,8 +16,12 @@ call the naive attention.
 from __future__ import annotations
 
 import torch
-import triton
-import triton.language as tl
+
+from ..triton_support import require_triton
+
+require_triton("stage 4 (the paged attention kernels)")
+import triton  # noqa: E402
+import triton.language as tl  # noqa: E402
 
 from .naive import naive_attention
 from .triton_flash import _check, decode_attention, flash_attn_varlen  # noqa: F401  (re-exported)

@@ -24,6 +24,7 @@ import torch
 
 from ..attention.paged_torch import paged_attention, plan_paged_attention, workspace_for
 from ..kv import BlockPool
+from ..triton_support import require_triton
 from .scheduler import ScheduledBatch
 
 ATTENTION_BACKENDS = ("torch", "triton")
@@ -49,6 +50,8 @@ class ModelRunner:
             attention = "triton" if pool.k.is_cuda else "torch"
         if attention not in ATTENTION_BACKENDS:
             raise ValueError(f"attention must be 'auto' or one of {ATTENTION_BACKENDS}; got {attention!r}")
+        if attention == "triton":
+            require_triton("the engine's triton attention backend")
         self.model, self.pool, self.attention = model, pool, attention
         self._workspace = (None, None)   # torch backend: gather buffers kept from step to step
 

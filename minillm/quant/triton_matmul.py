@@ -16,8 +16,12 @@ On the CPU the same layers call PyTorch's CPU kernels (`linear.py`); the interpr
 from __future__ import annotations
 
 import torch
-import triton
-import triton.language as tl
+
+from ..triton_support import require_triton
+
+require_triton("the GPU dequantize-and-multiply kernel")
+import triton  # noqa: E402
+import triton.language as tl  # noqa: E402
 
 GROUP = 32
 
