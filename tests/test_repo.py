@@ -19,3 +19,16 @@ def test_notebooks_are_executed_and_have_checked_cells():
         cells = [c for c in json.loads(nb.read_text())["cells"] if c["cell_type"] == "code"]
         assert all(c.get("execution_count") for c in cells), f"{nb.name} has cells that were never run"
         assert any("nbval-check-output" in c.get("metadata", {}).get("tags", []) for c in cells), nb.name
+
+
+def test_notebooks_store_the_kernel_name_ipykernel_installs():
+    """Otherwise JupyterLab marks every notebook as modified the moment it opens it."""
+    for nb in sorted((ROOT / "notebooks").glob("*.ipynb")):
+        assert json.loads(nb.read_text())["metadata"]["kernelspec"] == {
+            "display_name": "Python 3 (ipykernel)", "language": "python", "name": "python3"}, nb.name
+
+
+def test_readme_commands_make_their_own_virtual_environment():
+    blocks = re.findall(r"```bash\n(.*?)\n```", (ROOT / "README.md").read_text(), re.S)
+    for command in (b for b in blocks if "minillm course" in b or "pytest" in b):
+        assert command.startswith("python3 -m venv .venv && .venv/bin/python -m pip install"), command
