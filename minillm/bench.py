@@ -68,6 +68,19 @@ def machine_caption(fig, info: dict | None = None, source: str = "measured live"
     fig.text(0.995, 0.005, f"{source}: {machine_label(info)}", ha="right", va="bottom", fontsize=7, color="gray")
 
 
+RESULTS = Path(__file__).resolve().parent.parent / "benchmarks" / "results"
+
+
+def load_result(name: str) -> dict | None:
+    """A committed benchmark result, benchmarks/results/<name>.json, for a notebook to show beside its live
+    numbers; None (and a line saying how to make it) when it is not there."""
+    path = RESULTS / f"{name}.json"
+    if not path.is_file():
+        print(f"no committed result {path.name}: run the script in benchmarks/ that writes it (see benchmarks/README.md)")
+        return None
+    return json.loads(path.read_text())
+
+
 def load_prompts(path: str | Path | None = None) -> list[dict]:
     """Prompts from a .jsonl file ({"prompt", "chat"} per line) or a .txt file (one prompt per line)."""
     path = Path(path) if path else DEFAULT_PROMPTS

@@ -120,3 +120,23 @@ def peak_memory_bytes(fn, method: str = "auto") -> int:
             if method == "hwm":
                 raise
     return _peak_by_sampling(fn)
+
+
+MATMUL_OPS = {"aten::mm", "aten::addmm", "aten::bmm", "aten::matmul", "aten::_weight_int8pack_mm",
+              "aten::_weight_int4pack_mm_for_cpu"}
+
+
+def profile_ops(fn, repeats: int = 5, warmup: int = 2) -> list[dict]:
+    """What one call of fn() spends its time on, by PyTorch operation: [{"op", "calls", "self_ms"}] per call,
+    largest first (torch.profiler's self time, so nested operations are not counted twice). The profiler
+    adds a few microseconds to every operation, so many small ones read a little slow."""
+    from torch.profiler import ProfilerActivity, profile
+
+    for _ in range(warmup):
+        fn()
+    with profile(activities=[ProfilerActivity.CPU]) as prof:
+        for _ in range(repeats):
+            fn()
+    rows = [{"op": e.key, "calls": e.count / repeats, "self_ms": e.self_cpu_time_total / 1e3 / repeats}
+            for e in prof.key_averages() if e.self_cpu_time_total > 0]
+    return sorted(rows, key=lambda r: -r["self_ms"])

@@ -6,6 +6,9 @@ A decode step for a batch of B sequences with S cached tokens must
     do ~2 FLOPs per weight per token            2 x params x B   (+ attention: 4 x S x layers x heads x hd x B)
 The step can be no faster than bytes / bandwidth (memory floor) nor FLOPs / peak (compute floor).
 At B = 1 the memory floor is far higher: decode is memory-bound.
+
+The rates are measured here (a large copy, a large matmul), so the floors they give are estimates, not
+bounds: a kernel that only reads, or one that the copy benchmark does not saturate, can beat them a little.
 """
 from __future__ import annotations
 
@@ -39,6 +42,25 @@ def forward_flops(cfg: ModelConfig, n_params: int, tokens: int, context: int) ->
     return tokens * (2 * n_params + attention)
 
 
+def step_floors(model, tokens: int, context: int, bandwidth: float, flops: float, batch: int = 1) -> dict:
+    """Estimated floors of one forward of `batch` sequences, `tokens` new tokens each, attending over
+    `context` keys: {"memory_s": bytes / bandwidth, "compute_s": FLOPs / peak}. The larger one is the
+    prediction; which one it is says whether the step is memory- or compute-bound."""
+    n_params = model.num_parameters()
+    return {"memory_s": forward_bytes(model, batch, context) / bandwidth,
+            "compute_s": batch * forward_flops(model.cfg, n_params, tokens, context) / flops}
+
+
+def predict_naive_step_s(model, length: int, bandwidth: float, flops: float) -> float:
+    """Stage 1 at sequence length t: a forward over all t tokens, each attending ~t/2 keys on average."""
+    return max(step_floors(model, length, length // 2, bandwidth, flops).values())
+
+
+def predict_kv_step_s(model, length: int, bandwidth: float, flops: float) -> float:
+    """Stage 2 at sequence length t: one new token attending t cached keys; reads the weights and the cache."""
+    return max(step_floors(model, 1, length, bandwidth, flops).values())
+
+
 def measure_copy_bandwidth(n_bytes: int = 512 * 2**20, repeats: int = 5) -> float:
     """Bytes per second of a large tensor copy, counting bytes read + written."""
     src = torch.ones(n_bytes // 4)
@@ -52,3 +74,19 @@ def measure_matmul_flops(n: int = 2048, repeats: int = 5, dtype=torch.float32) -
     a, b = torch.randn(n, n, dtype=dtype), torch.randn(n, n, dtype=dtype)
     t = median_time(lambda: a @ b, repeats=repeats)
     return 2 * n**3 / t
+
+
+def measure_matvec_bandwidth(model, rows: int = 1, repeats: int = 10, fn=None) -> float:
+    """Weight bytes per second that the model's own matrix products stream with `rows` rows of input:
+    every nn.Linear weight and the (tied) output head, multiplied by a (rows, in) activation, the way a
+    decode step of `rows` sequences does. `fn(x, w)` replaces F.linear to compare kernels."""
+    import torch.nn.functional as F
+
+    fn = fn or F.linear
+    weights = [m.weight for m in model.modules() if isinstance(m, torch.nn.Linear)]
+    if not any(w is model.tok_emb.weight for w in weights):
+        weights.append(model.tok_emb.weight)
+    xs = {w.shape[1]: torch.randn(rows, w.shape[1], dtype=w.dtype) for w in weights}   # (rows, in)
+    with torch.inference_mode():
+        t = median_time(lambda: [fn(xs[w.shape[1]], w) for w in weights], repeats=repeats, warmup=2)
+    return sum(w.numel() * w.element_size() for w in weights) / t
