@@ -33,12 +33,17 @@ class OutOfBlocks(RuntimeError):
 
 
 class BlockPool:
-    def __init__(self, cfg: ModelConfig, num_blocks: int, block_size: int = 16,
+    def __init__(self, cfg: ModelConfig | None, num_blocks: int, block_size: int = 16,
                  dtype: torch.dtype = torch.float32, device: str | torch.device = "cpu", kv_dtype: str | None = None):
+        """cfg None: bookkeeping only (block tables, reference counts, the free list; no K/V tensors),
+        for replaying a trace of requests to see how memory would be used."""
         if num_blocks < 1 or block_size < 1:
             raise ValueError(f"num_blocks and block_size must be >= 1; got {num_blocks}, {block_size}")
-        shape = (cfg.n_layers, num_blocks, block_size, cfg.n_kv_heads, cfg.head_dim)
-        self.k, self.v = kv_tensors(shape, dtype, device, kv_dtype)
+        self.k = self.v = None
+        if cfg is not None:
+            shape = (cfg.n_layers, num_blocks, block_size, cfg.n_kv_heads, cfg.head_dim)
+            self.k, self.v = kv_tensors(shape, dtype, device, kv_dtype)
+        self.device = torch.device(device)
         self.kv_dtype = kv_dtype
         self.num_blocks, self.block_size = num_blocks, block_size
         self.free: deque[int] = deque(range(num_blocks))
@@ -104,8 +109,9 @@ class BlockPool:
         table, length, bs = self.tables[seq], self.lengths[seq], self.block_size
         if n > 0 and length % bs and self.refcount[table[-1]] > 1:   # copy-on-write
             old, new = table[-1], self._take()
-            self.k[:, new, : length % bs] = self.k[:, old, : length % bs]
-            self.v[:, new, : length % bs] = self.v[:, old, : length % bs]
+            if self.k is not None:
+                self.k[:, new, : length % bs] = self.k[:, old, : length % bs]
+                self.v[:, new, : length % bs] = self.v[:, old, : length % bs]
             self._release(old)
             table[-1] = new
         while len(table) < self.blocks_for(length + n):
@@ -142,7 +148,7 @@ class BlockPool:
         """Physical slots of tokens start..end-1 of `seq` (int64, on the pool's device)."""
         t = torch.arange(start, end)
         table = torch.tensor(self.tables[seq], dtype=torch.int64)
-        return (table[t // self.block_size] * self.block_size + t % self.block_size).to(self.k.device)
+        return (table[t // self.block_size] * self.block_size + t % self.block_size).to(self.device)
 
     def block_table(self, seqs: list[int]) -> torch.Tensor:
         """(len(seqs), max blocks) int32, padded with 0 (never read: lengths bound every access)."""
@@ -150,7 +156,7 @@ class BlockPool:
         out = torch.zeros(len(seqs), max(width, 1), dtype=torch.int32)
         for i, s in enumerate(seqs):
             out[i, : len(self.tables[s])] = torch.tensor(self.tables[s], dtype=torch.int32)
-        return out.to(self.k.device)
+        return out.to(self.device)
 
     def write(self, layer: int, slots: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> None:
         """Store k, v (n, n_kv, hd) at `slots` (n,) of `layer` (PyTorch; the Triton kernel does the same)."""
