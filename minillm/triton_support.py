@@ -21,3 +21,18 @@ def require_triton(what: str = "this kernel") -> None:
         raise TritonUnavailable(
             f"{what} runs on Triton, which ships for Linux only (pip install triton). On macOS and Windows use "
             "the stages naive, kv or continuous; the course notebooks show committed results for the Triton ones")
+
+
+def kernel_source(module: str, name: str) -> str:
+    """The source of a function in one of minillm's modules, read from the file (no import), so a notebook
+    can show a Triton kernel where Triton is not installed. module: e.g. "attention/triton_flash.py"."""
+    import ast
+    from pathlib import Path
+
+    path = Path(__file__).resolve().parent / module
+    text = path.read_text()
+    for node in ast.walk(ast.parse(text)):
+        if isinstance(node, (ast.FunctionDef, ast.ClassDef)) and node.name == name:
+            start = min([d.lineno for d in node.decorator_list] + [node.lineno]) - 1
+            return "\n".join(text.splitlines()[start:node.end_lineno]) + "\n"
+    raise ValueError(f"no function {name!r} in minillm/{module}")
