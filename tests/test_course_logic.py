@@ -1,0 +1,131 @@
+"""What the notebooks compute through minillm: floors and predictions, attention traffic, trace replays,
+committed results, kernel sources. Small, exact cases; the notebooks show them at full size."""
+import json
+from pathlib import Path
+
+import pytest
+import torch
+
+from minillm.attention.traffic import attention_sizes, attention_traffic
+from minillm.config import ModelConfig
+from minillm.kv import BlockPool, OutOfBlocks
+from minillm.kv.reservation import (paged_utilization, predicted_paged_utilization, replay_concurrency,
+                                    reserved_utilization, sequences_that_fit)
+
+ROOT = Path(__file__).resolve().parent.parent
+TRACE = [json.loads(line) for line in (ROOT / "data" / "request_trace.jsonl").read_text().splitlines()]
+
+
+def test_attention_sizes_count_query_and_kv_heads_from_the_config():
+    cfg = ModelConfig()                                            # 9 query heads, 3 KV heads, head dim 64
+    sizes = attention_sizes(cfg, 1024, e=4)
+    assert sizes["qkvo"] == (2 * 9 + 2 * 3) * 1024 * 64 * 4
+    assert sizes["scores"] == 9 * 1024 * 1024 * 4
+
+
+def test_flash_traffic_counts_each_visited_tile_once_per_query_block():
+    cfg = ModelConfig(n_heads=1, n_kv_heads=1, head_dim=8)
+    r = attention_traffic(cfg, T=128, e=1, block_m=64, block_n=64)
+    # Q in + O out: 2 x 128 x 8; block 0 visits keys 0-63, block 1 keys 0-127: (64 + 128) x 2 (K, V) x 8
+    assert r["flash"] == 2 * 128 * 8 + (64 + 128) * 2 * 8
+    assert r["naive"] > 8 * 128 * 128                              # at least the 8 passes over the matrix
+    big = attention_traffic(ModelConfig(), 16384, e=2, block_m=64, block_n=64)
+    assert 7 < big["ratio"] < 8.2                                  # about 8 x BLOCK_M / D
+    assert attention_traffic(ModelConfig(), 16384, block_m=128, block_n=64)["ratio"] > 1.9 * big["ratio"]
+
+
+def test_reservation_utilization_by_formula():
+    trace = [{"prompt_tokens": 10, "output_tokens": 4}]
+    used = 10 + 11 + 12 + 13
+    assert reserved_utilization(trace, "fixed", max_len=100) == used / (4 * 100)
+    assert reserved_utilization(trace, "oracle") == used / (4 * 14)
+    assert reserved_utilization(trace, "max_tokens", max_tokens=6) == used / (4 * 16)
+    with pytest.raises(ValueError, match="policy must be one of"):
+        reserved_utilization(trace, "greedy")
+
+
+def test_paged_replay_matches_the_half_block_prediction():
+    for bs in (8, 16, 64):
+        assert paged_utilization(TRACE[:100], bs) == pytest.approx(predicted_paged_utilization(TRACE[:100], bs), abs=0.003)
+    assert paged_utilization(TRACE[:100], 1) == 1.0
+
+
+def test_what_fits_at_once():
+    trace = [{"prompt_tokens": 30, "output_tokens": 10}] * 10        # 40 tokens each
+    assert sequences_that_fit(trace, 100, "oracle") == 2
+    assert sequences_that_fit(trace, 100, "paged_final", block_size=8) == 2   # 5 blocks each, 12 blocks
+    assert sequences_that_fit(trace, 100, "fixed", max_len=50) == 2
+    assert sequences_that_fit(trace[:1], 10**6, "oracle") == 1
+
+
+def test_replay_finishes_every_request_and_paged_runs_more_at_once():
+    budget = 4000
+    trace = TRACE[:60]
+    r = {p: replay_concurrency(trace, budget, p, block_size=16, max_len=4096) for p in ("oracle", "paged")}
+    tokens = sum(t["output_tokens"] for t in trace)
+    for policy, res in r.items():
+        assert res["mean_running"] * res["steps"] >= tokens           # every token was generated (paged: some twice)
+    assert r["oracle"]["preemptions"] == 0
+    assert r["paged"]["mean_running"] > r["oracle"]["mean_running"]
+    with pytest.raises(ValueError, match="more than the budget"):
+        replay_concurrency([{"prompt_tokens": 10, "output_tokens": 1}], 5, "oracle")
+
+
+def test_paged_replay_agrees_with_the_engines_scheduler():
+    """The replay's paged policy is a sketch of the engine's scheduler; on a small trace they agree closely."""
+    from minillm.engine.simulate import simulate
+
+    trace, tokens = TRACE[:100], 6000
+    cfg = ModelConfig(n_layers=1, d_model=8, n_heads=1, n_kv_heads=1, head_dim=8, ffn_dim=8, vocab_size=8)
+    steps = simulate([t["prompt_tokens"] for t in trace], [t["output_tokens"] for t in trace], cfg=cfg,
+                     kv_cache_memory=tokens * 2 * 8 * 4, max_num_seqs=256, max_num_batched_tokens=4096)
+    replay = replay_concurrency(trace, tokens, "paged", block_size=16)
+    assert abs(len(steps) - replay["steps"]) <= 0.05 * replay["steps"]
+
+
+def test_bookkeeping_pool_has_no_tensors_but_the_same_rules():
+    pool = BlockPool(None, num_blocks=4, block_size=4)
+    assert pool.k is None
+    pool.allocate(0, 6)
+    pool.fork(0, 1)
+    pool.grow(1, 1)                                                  # copy-on-write, without data to copy
+    assert pool.tables[1][0] == pool.tables[0][0] and pool.tables[1][1] != pool.tables[0][1]
+    assert pool.slots(0, 0, 6).tolist() == [pool.tables[0][i // 4] * 4 + i % 4 for i in range(6)]
+    with pytest.raises(OutOfBlocks):
+        pool.grow(0, 8)
+
+
+def test_floors_and_predictions(model):
+    from minillm.roofline import predict_kv_step_s, predict_naive_step_s, step_floors, weight_bytes
+
+    bw, flops = 20e9, 200e9
+    floors = step_floors(model, tokens=1, context=100, bandwidth=bw, flops=flops)
+    assert floors["memory_s"] > weight_bytes(model) / bw and floors["memory_s"] > floors["compute_s"]
+    assert predict_kv_step_s(model, 100, bw, flops) == floors["memory_s"]
+    assert predict_naive_step_s(model, 1000, bw, flops) > 10 * predict_kv_step_s(model, 1000, bw, flops)
+
+
+def test_matvec_bandwidth_and_profile(model):
+    from minillm.metrics import profile_ops
+    from minillm.roofline import measure_matvec_bandwidth
+
+    assert measure_matvec_bandwidth(model, rows=1, repeats=2) > 1e8
+    calls = []
+    fn = lambda x, w: calls.append(1) or torch.nn.functional.linear(x, w)      # noqa: E731
+    measure_matvec_bandwidth(model, rows=2, repeats=1, fn=fn)
+    assert len(calls) == 3 * (4 * model.cfg.n_layers + 1)           # warm-up 2 + 1 timed, every weight
+    ops = profile_ops(lambda: torch.ones(64, 64) @ torch.ones(64, 64), repeats=2, warmup=1)
+    assert any(r["op"] == "aten::mm" and r["calls"] == 1 for r in ops)
+
+
+def test_committed_results_and_kernel_sources(capsys):
+    from minillm.bench import load_result
+    from minillm.triton_support import kernel_source
+
+    assert load_result("cpu_kernel_checks")["same_tokens_as_naive"] == {"flash": True, "paged": True}
+    assert load_result("no_such_result") is None
+    assert "benchmarks/" in capsys.readouterr().out
+    src = kernel_source("attention/triton_flash.py", "_online_softmax_step")
+    assert src.startswith("@triton.jit\ndef _online_softmax_step(") and "exp2" in src
+    with pytest.raises(ValueError, match="no function"):
+        kernel_source("attention/triton_flash.py", "nope")
