@@ -81,8 +81,10 @@ class APIError(Exception):
 
 
 def validation_message(err) -> tuple[str, str | None]:
-    """The first problem pydantic found, as (message, param)."""
-    e = err.errors()[0]
+    """One problem pydantic found, as (message, param)."""
+    # one error, chosen the same way whatever order pydantic lists them in: an unknown field first (it is
+    # often why a required one is missing: 'prompt' sent to chat), then a missing one, then the first other
+    e = min(err.errors(), key=lambda e: {"extra_forbidden": 0, "missing": 1}.get(e["type"], 2))
     tags = ("str", "int", "float", "bool", "none")     # pydantic names the branch of a union it tried
     loc = [str(p) for p in e.get("loc", ()) if str(p) not in tags and not str(p).startswith(("function-", "list["))]
     param = ".".join(loc) or None
