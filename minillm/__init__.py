@@ -41,15 +41,21 @@ def load_model(path: str | Path | None = None, dtype: torch.dtype | str = torch.
     dtype = parse_dtype(dtype)
     check_format(quant)
     check_kv_dtype(kv_cache_dtype)
+    from .metrics import release_memory
+
     cfg, state, _ = load_state(path, dtype)
     kwargs = {"attn_fn": attn_fn} if attn_fn is not None else {}
     model = build_model(cfg, state, **kwargs)
+    del state
     model = model.to(device) if device is not None else model
     model.kv_cache_dtype = kv_cache_dtype
     if quant == "w8a8":
         tok = load_tokenizer(path)
-        return quantize_model(model, quant, smooth=smooth_scales(model, [tok.encode(t) for t in CALIBRATION]))
-    return quantize_model(model, quant, path) if quant else model
+        model = quantize_model(model, quant, smooth=smooth_scales(model, [tok.encode(t) for t in CALIBRATION]))
+    elif quant:
+        model = quantize_model(model, quant, path)
+    release_memory()          # the dequantized copies made while loading go back to the OS
+    return model
 
 
 DTYPES = {"float32": torch.float32, "float16": torch.float16, "bfloat16": torch.bfloat16}

@@ -72,6 +72,19 @@ def _return_freed_memory_to_the_os() -> None:
         pass
 
 
+def release_memory() -> None:
+    """Collect garbage and hand the memory glibc keeps for reuse back to the OS (malloc_trim; elsewhere a
+    no-op), so a process that loaded a model does not go on holding the temporary copies."""
+    import ctypes
+    import gc
+
+    gc.collect()
+    try:
+        ctypes.CDLL("libc.so.6").malloc_trim(0)
+    except (OSError, AttributeError):
+        pass
+
+
 def _peak_by_high_water_mark(fn) -> int:
     """Linux: reset the kernel's high-water mark of resident memory, run fn, read it again. Exact."""
     with open("/proc/self/clear_refs", "w") as f:
@@ -122,6 +135,26 @@ def peak_memory_bytes(fn, method: str = "auto") -> int:
     return _peak_by_sampling(fn)
 
 
+class _quiet_stderr:
+    """Silence file descriptor 2 (C++ logging that Python's sys.stderr never sees) for a with-block."""
+
+    def __enter__(self):
+        import os
+        import sys
+
+        sys.stderr.flush()
+        self.saved = os.dup(2)
+        devnull = os.open(os.devnull, os.O_WRONLY)
+        os.dup2(devnull, 2)
+        os.close(devnull)
+
+    def __exit__(self, *exc):
+        import os
+
+        os.dup2(self.saved, 2)
+        os.close(self.saved)
+
+
 MATMUL_OPS = {"aten::mm", "aten::addmm", "aten::bmm", "aten::matmul", "aten::_weight_int8pack_mm",
               "aten::_weight_int4pack_mm_for_cpu"}
 
@@ -134,8 +167,8 @@ def profile_ops(fn, repeats: int = 5, warmup: int = 2) -> list[dict]:
 
     for _ in range(warmup):
         fn()
-    with profile(activities=[ProfilerActivity.CPU]) as prof:
-        for _ in range(repeats):
+    with _quiet_stderr(), profile(activities=[ProfilerActivity.CPU]) as prof:   # the profiler's C++ side
+        for _ in range(repeats):                                                # logs start/stop lines
             fn()
     rows = [{"op": e.key, "calls": e.count / repeats, "self_ms": e.self_cpu_time_total / 1e3 / repeats}
             for e in prof.key_averages() if e.self_cpu_time_total > 0]

@@ -61,8 +61,9 @@ def predict_kv_step_s(model, length: int, bandwidth: float, flops: float) -> flo
     return max(step_floors(model, 1, length, bandwidth, flops).values())
 
 
-def measure_copy_bandwidth(n_bytes: int = 512 * 2**20, repeats: int = 5) -> float:
-    """Bytes per second of a large tensor copy, counting bytes read + written."""
+def measure_copy_bandwidth(n_bytes: int = 256 * 2**20, repeats: int = 5) -> float:
+    """Bytes per second of a large tensor copy, counting bytes read + written. 256 MiB each way: far larger
+    than a CPU's caches, small enough to measure beside a loaded model on a laptop."""
     src = torch.ones(n_bytes // 4)
     dst = torch.empty_like(src)
     t = median_time(lambda: dst.copy_(src), repeats=repeats)
@@ -76,16 +77,18 @@ def measure_matmul_flops(n: int = 2048, repeats: int = 5, dtype=torch.float32) -
     return 2 * n**3 / t
 
 
-def measure_matvec_bandwidth(model, rows: int = 1, repeats: int = 10, fn=None) -> float:
+def measure_matvec_bandwidth(model, rows: int = 1, repeats: int = 10, fn=None, weights=None) -> float:
     """Weight bytes per second that the model's own matrix products stream with `rows` rows of input:
     every nn.Linear weight and the (tied) output head, multiplied by a (rows, in) activation, the way a
-    decode step of `rows` sequences does. `fn(x, w)` replaces F.linear to compare kernels."""
+    decode step of `rows` sequences does. `fn(x, w)` replaces F.linear to compare kernels; `weights`
+    (a list of the model's weights) measures over those only."""
     import torch.nn.functional as F
 
     fn = fn or F.linear
-    weights = [m.weight for m in model.modules() if isinstance(m, torch.nn.Linear)]
-    if not any(w is model.tok_emb.weight for w in weights):
-        weights.append(model.tok_emb.weight)
+    if weights is None:
+        weights = [m.weight for m in model.modules() if isinstance(m, torch.nn.Linear)]
+        if not any(w is model.tok_emb.weight for w in weights):
+            weights.append(model.tok_emb.weight)
     xs = {w.shape[1]: torch.randn(rows, w.shape[1], dtype=w.dtype) for w in weights}   # (rows, in)
     with torch.inference_mode():
         t = median_time(lambda: [fn(xs[w.shape[1]], w) for w in weights], repeats=repeats, warmup=2)
