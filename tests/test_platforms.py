@@ -27,23 +27,38 @@ def _uv() -> str:
     return uv
 
 
+def _resolve(name: str, python: str, out: Path) -> subprocess.CompletedProcess:
+    env = dict(os.environ, UV_PYTHON_DOWNLOADS="never", MACOSX_DEPLOYMENT_TARGET="14.0")   # torch's macOS floor
+    return subprocess.run([_uv(), "pip", "compile", str(ROOT / "pyproject.toml"), "--extra", "test", "--no-header",
+                           "--python-platform", PLATFORMS[name], "--python-version", python, "--only-binary", "torch",
+                           "--only-binary", "triton", "-o", str(out)], capture_output=True, text=True, timeout=300, env=env)
+
+
+@pytest.fixture(scope="module")
+def resolutions(tmp_path_factory):
+    """Every (platform, Python) resolved at once, a few at a time: each is mostly waiting on PyPI."""
+    from concurrent.futures import ThreadPoolExecutor
+
+    _uv()
+    folder = tmp_path_factory.mktemp("locks")
+    combos = [(n, p) for n in PLATFORMS for p in PYTHONS]
+    with ThreadPoolExecutor(max_workers=5) as pool:
+        results = pool.map(lambda c: _resolve(*c, folder / f"{PLATFORMS[c[0]]}-{c[1]}.txt"), combos)
+        return {c: (r, folder / f"{PLATFORMS[c[0]]}-{c[1]}.txt") for c, r in zip(combos, results)}
+
+
 @pytest.mark.parametrize("python", PYTHONS)
 @pytest.mark.parametrize("name", [pytest.param(n, marks=INTEL_MAC) if n == "macOS x86_64" else n for n in PLATFORMS])
-def test_install_resolves_from_pypi(name, python, tmp_path):
+def test_install_resolves_from_pypi(name, python, resolutions):
     """`pip install -e ".[test]"` as a learner on that platform would get it from PyPI: every requirement,
     with its environment markers, resolves to wheels (uv resolves for another platform without installing)."""
-    env = dict(os.environ, UV_PYTHON_DOWNLOADS="never", MACOSX_DEPLOYMENT_TARGET="14.0",  # torch's macOS floor
-               UV_CACHE_DIR=os.environ.get("UV_CACHE_DIR", str(Path.home() / ".cache" / "uv")))
-    r = subprocess.run([_uv(), "pip", "compile", str(ROOT / "pyproject.toml"), "--extra", "test", "--no-header",
-                        "--python-platform", PLATFORMS[name], "--python-version", python, "--only-binary", "torch",
-                        "--only-binary", "triton", "-o", str(tmp_path / "lock.txt")],
-                       capture_output=True, text=True, timeout=300, env=env)
+    r, lock = resolutions[name, python]
     if r.returncode and ("dns error" in r.stderr or "Could not connect" in r.stderr or "client error" in r.stderr):
         pytest.skip("PyPI is not reachable from here")
     assert r.returncode == 0, r.stderr[-2000:]
-    lock = (tmp_path / "lock.txt").read_text()
-    assert "torch==2.13.0" in lock
-    assert ("triton==" in lock) == name.startswith("Linux")       # Triton only where it has wheels
+    text = lock.read_text()
+    assert "torch==2.13.0" in text
+    assert ("triton==" in text) == name.startswith("Linux")       # Triton only where it has wheels
 
 
 def test_without_triton_the_triton_stages_fail_in_one_line():
