@@ -1,6 +1,6 @@
 """Notebook 02's explorer: sliders for temperature, top-k, top-p, min-p and the seed; a chart of the
 filtered next-token distribution beside the untouched one, and a seeded continuation from the kv stage
-(stage 2), so a move of a slider answers in well under a second on a laptop CPU."""
+(stage 2), so a move of a slider answers in a second or two on a laptop CPU."""
 from __future__ import annotations
 
 import html
