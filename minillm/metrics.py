@@ -52,24 +52,25 @@ def _rss_peak_kib() -> int:
     raise OSError("no VmHWM")
 
 
-_libc = None
-
-
 def _return_freed_memory_to_the_os() -> None:
     """glibc keeps freed memory for reuse, so an allocation can be served from pages the process
     already holds and a measurement would read low. A fixed mmap threshold makes large blocks go
-    back to the OS when freed, and malloc_trim hands back what is free now (glibc only)."""
-    global _libc
-    try:
-        if _libc is None:
+    back to the OS when freed (set once), and release_memory hands back what is free now (glibc only)."""
+    global _thresholds_set
+    if not _thresholds_set:
+        try:
             import ctypes
 
-            _libc = ctypes.CDLL("libc.so.6")
-            _libc.mallopt(-3, 64 * 1024)   # M_MMAP_THRESHOLD: blocks above 64 KiB are mmapped, unmapped at free
-            _libc.mallopt(-1, 128 * 1024)  # M_TRIM_THRESHOLD
-        _libc.malloc_trim(0)
-    except (OSError, AttributeError):
-        pass
+            libc = ctypes.CDLL("libc.so.6")
+            libc.mallopt(-3, 64 * 1024)   # M_MMAP_THRESHOLD: blocks above 64 KiB are mmapped, unmapped at free
+            libc.mallopt(-1, 128 * 1024)  # M_TRIM_THRESHOLD
+        except (OSError, AttributeError):
+            pass
+        _thresholds_set = True
+    release_memory()
+
+
+_thresholds_set = False
 
 
 def release_memory() -> None:
@@ -153,10 +154,6 @@ class _quiet_stderr:
 
         os.dup2(self.saved, 2)
         os.close(self.saved)
-
-
-MATMUL_OPS = {"aten::mm", "aten::addmm", "aten::bmm", "aten::matmul", "aten::_weight_int8pack_mm",
-              "aten::_weight_int4pack_mm_for_cpu"}
 
 
 def profile_ops(fn, repeats: int = 5, warmup: int = 2) -> list[dict]:
