@@ -86,7 +86,102 @@ def _answers():
             "check_online_softmax": online,
             "check_merge_splits": merge,
             "check_slot_lookup": lambda t, bs, p: t[p // bs] * bs + p % bs,
-            "check_blocks_needed": lambda n, k, bs: -(-(n + k) // bs) - -(-n // bs)}
+            "check_blocks_needed": lambda n, k, bs: -(-(n + k) // bs) - -(-n // bs),
+            **_engine_answers()}
+
+
+def _engine_answers():
+    """Notebooks 07-12: the answers as the notebooks show them."""
+    import json
+
+    from minillm.kv.prefix_cache import hash_block
+
+    def decode_steps(answers, slots, policy):
+        if policy == "static":
+            return sum(max(answers[i:i + slots]) for i in range(0, len(answers), slots))
+        waiting, running, steps = list(answers), [], 0
+        while waiting or running:
+            while waiting and len(running) < slots:
+                running.append(waiting.pop(0))
+            running = [left - 1 for left in running if left > 1]
+            steps += 1
+        return steps
+
+    def pack(requests):
+        positions, k_lens, logit_rows = [], [], []
+        for computed, new, total in requests:
+            positions += range(computed, computed + new)
+            k_lens.append(computed + new)
+            if computed + new == total:
+                logit_rows.append(len(positions) - 1)
+        return positions, k_lens, logit_rows
+
+    def chunk_sizes(prompt_len, budget, decodes):
+        sizes, left = [], prompt_len
+        while left:
+            sizes.append(min(left, budget - decodes))
+            left -= sizes[-1]
+        return sizes
+
+    def chain(ids, bs):
+        out = []
+        for i in range(len(ids) // bs):
+            out.append(hash_block(out[-1] if out else None, ids[i * bs:(i + 1) * bs]))
+        return out
+
+    def cached_tokens(addresses, cached, n, bs):
+        hits = 0
+        for address in addresses[:(n - 1) // bs]:
+            if address not in cached:
+                break
+            hits += 1
+        return hits * bs
+
+    def verify(drafts, target):
+        out = []
+        for x, t in zip(drafts, target):
+            if x != t:
+                break
+            out.append(x)
+        return out + [target[len(out)]]
+
+    def residual(p, q):
+        r = (p - q).clamp_min(0)
+        return r / r.sum()
+
+    def parse_sse(lines):
+        text = ""
+        for line in lines:
+            if not line.startswith("data: "):
+                continue
+            if line == "data: [DONE]":
+                break
+            chunk = json.loads(line[len("data: "):])
+            text += "".join(c["text"] for c in chunk["choices"])
+        return text
+
+    def pct(values, q):
+        v = sorted(values)
+        pos = (len(v) - 1) * q / 100
+        lo = int(pos)
+        hi = min(lo + 1, len(v) - 1)
+        return v[lo] + (v[hi] - v[lo]) * (pos - lo)
+
+    def int8_rows(w):
+        scale = w.abs().amax(dim=1).clamp_min(1e-12) / 127
+        return torch.round(w / scale[:, None]).to(torch.int8), scale
+
+    def q4_1(packed, d, m):
+        out, half = packed.shape
+        b = packed.view(out, half // 16, 16)
+        q = torch.cat([b & 0x0F, b >> 4], dim=-1).float()
+        return (q * d.float()[..., None] + m.float()[..., None]).view(out, half * 2)
+
+    return {"check_decode_steps": decode_steps, "check_pack": pack, "check_chunk_sizes": chunk_sizes,
+            "check_chunk_mask": lambda start, n: torch.ones(n, start + n, dtype=torch.bool).tril(diagonal=start),
+            "check_chain": chain, "check_cached_tokens": cached_tokens, "check_verify_greedy": verify,
+            "check_residual": residual, "check_parse_sse": parse_sse, "check_percentile": pct,
+            "check_int8_rows": int8_rows, "check_dequantize_q4_1": q4_1}
 
 
 def test_every_exercise_passes_its_answer_and_fails_a_stub(capsys):
@@ -101,3 +196,24 @@ def test_every_exercise_passes_its_answer_and_fails_a_stub(capsys):
             raise NotImplementedError
         assert not getattr(ex, name)(stub), name
         assert "not written yet" in capsys.readouterr().out.splitlines()[-1]
+
+
+def test_engine_exercises_say_what_is_wrong(capsys):
+    from minillm.exercises import check_cached_tokens, check_dequantize_q4_1, check_residual
+
+    def all_full_blocks(addresses, cached, n, bs):           # forgets that the last token must be computed
+        hits = next((i for i, a in enumerate(addresses) if a not in cached), len(addresses))
+        return hits * bs
+    assert not check_cached_tokens(all_full_blocks)
+    assert "the last token must be computed" in capsys.readouterr().out
+
+    def interleaved(packed, d, m):                           # reads a byte's two nibbles as neighbours
+        out, half = packed.shape
+        b = packed.view(out, half // 16, 16)
+        q = torch.stack([b & 0x0F, b >> 4], -1).reshape(out, half // 16, 32).float()
+        return (q * d.float()[..., None] + m.float()[..., None]).view(out, half * 2)
+    assert not check_dequantize_q4_1(interleaved)
+    assert "low nibble" in capsys.readouterr().out
+
+    assert not check_residual(lambda p, q: (p - q).clamp_min(0))
+    assert "normalize" in capsys.readouterr().out

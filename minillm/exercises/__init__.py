@@ -8,15 +8,32 @@ and returns True when everything passes. It never raises, so a notebook runs on 
     notebook 04  check_repeat_kv, check_gqa_decode             (gqa.py)
     notebook 05  check_online_softmax, check_merge_splits      (flash.py)
     notebook 06  check_slot_lookup, check_blocks_needed        (paged.py)
+    notebook 07  check_decode_steps, check_pack                 (engine.py)
+    notebook 08  check_chunk_sizes, check_chunk_mask            (chunked.py)
+    notebook 09  check_chain, check_cached_tokens               (prefix.py)
+    notebook 10  check_verify_greedy, check_residual            (speculative.py)
+    notebook 11  check_parse_sse, check_percentile              (serving.py)
+    notebook 12  check_int8_rows, check_dequantize_q4_1         (quant.py)
 """
 from .check import Case, run_checks
+from .chunked import check_chunk_mask, check_chunk_sizes
+from .engine import check_decode_steps, check_pack
 from .flash import check_merge_splits, check_online_softmax
 from .gqa import check_gqa_decode, check_repeat_kv
 from .kv_cache import check_kv_append, check_kv_bytes
 from .model import check_causal_attention, check_rms_norm
 from .paged import check_blocks_needed, check_slot_lookup
+from .prefix import check_cached_tokens, check_chain
+from .quant import check_dequantize_q4_1, check_int8_rows
 from .sampling import check_min_p, check_top_p
+from .serving import check_parse_sse, check_percentile
+from .speculative import check_residual, check_verify_greedy
 
-__all__ = ["Case", "check_blocks_needed", "check_causal_attention", "check_gqa_decode", "check_kv_append", "check_kv_bytes", "check_merge_splits",
-           "check_min_p", "check_online_softmax", "check_repeat_kv", "check_rms_norm", "check_slot_lookup", "check_top_p",
-           "run_checks"]
+__all__ = [
+    "Case", "check_blocks_needed", "check_cached_tokens", "check_causal_attention", "check_chain",
+    "check_chunk_mask", "check_chunk_sizes", "check_decode_steps", "check_dequantize_q4_1", "check_gqa_decode",
+    "check_int8_rows", "check_kv_append", "check_kv_bytes", "check_merge_splits", "check_min_p",
+    "check_online_softmax", "check_pack", "check_parse_sse", "check_percentile", "check_repeat_kv",
+    "check_residual", "check_rms_norm", "check_slot_lookup", "check_top_p", "check_verify_greedy",
+    "run_checks"
+]
