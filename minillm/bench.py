@@ -57,7 +57,10 @@ def machine_info() -> dict:
 def machine_label(info: dict | None = None) -> str:
     """One line for a figure's title: 'Intel Xeon ... · 2 cores, 2 threads · 23.5 GiB' (and the GPU, if any)."""
     info = info or machine_info()
-    label = f"{info['cpu']} · {info['cores']} cores, {info['threads']} threads"
+    if isinstance(info, str):                          # older results name only the CPU
+        info = {"cpu": info}
+    counts = [f"{info[k]} {k}" for k in ("cores", "threads") if info.get(k)]
+    label = " · ".join([info["cpu"]] + ([", ".join(counts)] if counts else []))
     if info.get("memory_gib"):
         label += f" · {info['memory_gib']:g} GiB"
     return label + (f" · {info['gpu']}" if info.get("gpu") else "")

@@ -55,7 +55,7 @@ def simulate(prompt_lens: list[int], output_lens: list[int], arrival_steps: list
     """Steps of the schedule for requests with these lengths (ids "0", "1", ...), arriving at
     the given steps (default: all at step 0). engine_options: LLMEngine's (policy, max_num_seqs, ...)."""
     cfg = cfg or ModelConfig()
-    model = SimpleNamespace(cfg=cfg, dtype=torch.float32, device=torch.device("cpu"))
+    model = SimpleNamespace(cfg=cfg, dtype=torch.float32, device=torch.device("meta"))   # a pool of no memory
     engine_options.setdefault("kv_cache_memory", 1 << 30)
     engine_options.setdefault("enable_prefix_caching", False)      # the stand-in prompts are all alike
     engine = LLMEngine(model, _NullTokenizer(), verbose=False, **engine_options)
