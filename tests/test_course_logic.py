@@ -129,3 +129,20 @@ def test_committed_results_and_kernel_sources(capsys):
     assert src.startswith("@triton.jit\ndef _online_softmax_step(") and "exp2" in src
     with pytest.raises(ValueError, match="no function"):
         kernel_source("attention/triton_flash.py", "nope")
+
+
+def test_speculative_speedup_predicted_from_a_runs_counters():
+    from minillm.speculative.bench import predicted_run_speedup
+
+    costs = {"1": 0.05, "2": 0.05, "5": 0.10}           # two tokens cost one step; five cost two steps
+    plain = {"tokens": 101, "spec_drafts": 0, "spec_draft_tokens": 0, "spec_accepted_tokens": 0, "system": "kv"}
+    assert predicted_run_speedup(plain, costs, {}) == 1.0
+    # 100 tokens after the first in 20 passes of 4 drafts (width 5, 2 steps each), all accepted: 100 / 40
+    lookup = {"tokens": 101, "spec_drafts": 20, "spec_draft_tokens": 80, "spec_accepted_tokens": 80, "system": "ngram"}
+    assert predicted_run_speedup(lookup, costs, {}) == pytest.approx(2.5)
+    # the same with a draft that costs 0.5 steps per drafted token: 100 / (40 + 40)
+    layers = dict(lookup, system="layers:15")
+    assert predicted_run_speedup(layers, costs, {"15": 0.5}) == pytest.approx(1.25)
+    # one draft per pass, always rejected: 100 passes of width 2 (one step each), no gain
+    wrong = {"tokens": 101, "spec_drafts": 100, "spec_draft_tokens": 100, "spec_accepted_tokens": 0, "system": "ngram"}
+    assert predicted_run_speedup(wrong, costs, {}) == pytest.approx(1.0)

@@ -32,3 +32,20 @@ def test_readme_commands_make_their_own_virtual_environment():
     blocks = re.findall(r"```bash\n(.*?)\n```", (ROOT / "README.md").read_text(), re.S)
     for command in (b for b in blocks if "minillm course" in b or "pytest" in b):
         assert command.startswith("python3 -m venv .venv && .venv/bin/python -m pip install"), command
+
+
+def test_every_notebook_states_its_cost_and_ends_with_checked_exercises():
+    """The course's rules for every notebook: run time and peak memory at the top (under 2 GiB, so it runs on
+    a small laptop), and exercises whose learner cells are left unwritten and whose answers are collapsed."""
+    for nb in sorted((ROOT / "notebooks").glob("*.ipynb")):
+        cells = json.loads(nb.read_text())["cells"]
+        top = "".join(cells[0]["source"])
+        stamp = re.search(r"\*On this machine \(.+\) it runs top to bottom in .+ and peaks at ([\d.]+) GiB", top)
+        assert stamp, f"{nb.name}: no run time / peak memory line (python notebooks/execute.py {nb.name})"
+        assert float(stamp.group(1)) < 2.0, f"{nb.name} peaks at {stamp.group(1)} GiB"
+        code = [c for c in cells if c["cell_type"] == "code"]
+        stubs = [c for c in code if "raise NotImplementedError  # your code here" in "".join(c["source"])]
+        answers = [c for c in code if c["metadata"].get("jupyter", {}).get("source_hidden")]
+        assert len(stubs) >= 1 and len(answers) == len(stubs), nb.name
+        assert all("passed = check_" in "".join(c["source"]) for c in answers), nb.name
+        assert all("nbval-check-output" in c["metadata"].get("tags", []) for c in answers), nb.name

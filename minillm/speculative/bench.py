@@ -5,11 +5,13 @@
     draft_cost(model, n_layers, context)      one layer-skipping draft step / one full decode step
     run_tasks(model, tok, tasks, configs)     per prompt: plain kv decoding and each proposer, alternated
                                               in one run; tokens/s, acceptance, tokens per pass, exactness
+    predicted_run_speedup(row, costs, ratios) what a run's counters predict, priced with the measured costs
 """
 from __future__ import annotations
 
 import statistics
 
+import numpy as np
 import torch
 from tqdm.auto import tqdm
 
@@ -104,3 +106,25 @@ def summarize_tasks(rows: list[dict]) -> list[dict]:
                     "mean_accepted_tokens": accepted / passes if passes else 0.0,
                     "all_same": all(r["same"] for r in rs)})
     return out
+
+
+def predicted_run_speedup(row: dict, pass_cost_s: dict, draft_cost_ratio: dict) -> float:
+    """The speedup a run's own counters predict, priced with measured costs, in units of one decode step.
+
+    row               one run of `run_tasks`: tokens, spec_drafts (verification passes), spec_draft_tokens,
+                      spec_accepted_tokens, system ("ngram", "layers:N", ...)
+    pass_cost_s       {tokens in a pass: seconds} (`pass_costs`); a pass over d + 1 tokens is interpolated
+    draft_cost_ratio  {N: a draft step of the first N layers / a decode step} (`draft_cost`); n-gram: free
+
+    The run emits tokens - 1 tokens after the first; every pass emits 1 + its accepted drafts, so it made
+    tokens - 1 - accepted passes: spec_drafts of them verify drafts (their width: drafted / spec_drafts + 1),
+    the rest are plain one-token steps."""
+    cost = {int(t): s for t, s in pass_cost_s.items()}
+    widths = sorted(cost)
+    relative = lambda width: float(np.interp(width, widths, [cost[w] / cost[1] for w in widths]))  # noqa: E731
+    emitted = row["tokens"] - 1
+    passes, verifies = emitted - row["spec_accepted_tokens"], row["spec_drafts"]
+    width = row["spec_draft_tokens"] / max(verifies, 1) + 1
+    draft = {f"layers:{n}": r for n, r in draft_cost_ratio.items()}.get(row["system"], 0.0)
+    steps = (passes - verifies) + verifies * relative(width) + draft * row["spec_draft_tokens"]
+    return emitted / steps
