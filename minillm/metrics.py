@@ -52,10 +52,12 @@ def _rss_peak_kib() -> int:
     raise OSError("no VmHWM")
 
 
-def _return_freed_memory_to_the_os() -> None:
+def return_freed_memory_to_the_os() -> None:
     """glibc keeps freed memory for reuse, so an allocation can be served from pages the process
-    already holds and a measurement would read low. A fixed mmap threshold makes large blocks go
-    back to the OS when freed (set once), and release_memory hands back what is free now (glibc only)."""
+    already holds and a measurement would read low, and a process that builds many large objects one
+    after another creeps up in memory. A fixed mmap threshold makes blocks above 64 KiB go back to the
+    OS when freed (set once, for the rest of the process: allocations get a little slower, so time
+    kernels before calling it), and release_memory hands back what is free now (glibc only)."""
     global _thresholds_set
     if not _thresholds_set:
         try:
@@ -126,7 +128,7 @@ def peak_memory_bytes(fn, method: str = "auto") -> int:
     """Peak extra resident memory while fn() runs: what torch really allocated, temporaries included.
     method "hwm" (Linux: the kernel's high-water mark, reset first, exact), "sample" (any OS: a thread
     reads the resident size every millisecond), or "auto" (the first that works here)."""
-    _return_freed_memory_to_the_os()
+    return_freed_memory_to_the_os()
     if method in ("auto", "hwm"):
         try:
             return _peak_by_high_water_mark(fn)

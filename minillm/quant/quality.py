@@ -35,12 +35,14 @@ def next_token_logprobs(model, ids: list[int], kv_cache_dtype: str | None = None
     if kv_cache_dtype:
         cache = KVCache(model.cfg, 1, len(ids), model.dtype, model.device, kv_cache_dtype)
         cache.begin(len(ids))
-    return torch.log_softmax(model(x, cache=cache)[0].float(), dim=-1).cpu()
+    logits = model(x, cache=cache)[0].float().cpu()                          # (T, vocab), our own copy
+    return logits.sub_(logits.logsumexp(dim=-1, keepdim=True))               # log-softmax in place
 
 
 def compare(ref: torch.Tensor, other: torch.Tensor, ids: list[int]) -> dict[str, float]:
     """ref, other: (T, vocab) log-probabilities for the same ids."""
-    kl = (ref.exp() * (ref - other)).sum(-1)                             # (T,) KL(p_ref || p_other)
+    kl = torch.cat([(r.exp() * (r - o)).sum(-1)                          # (T,) KL(p_ref || p_other),
+                    for r, o in zip(ref.split(64), other.split(64))])    # 64 rows at a time: less memory
     targets = torch.tensor(ids[1:])                                      # the token that came next
     nll = -other[:-1].gather(1, targets[:, None]).squeeze(1)             # (T - 1,)
     nll_ref = -ref[:-1].gather(1, targets[:, None]).squeeze(1)
