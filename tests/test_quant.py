@@ -148,3 +148,24 @@ def test_bad_format_names_the_choices():
     m = minillm.load_model(quant="int8")
     with pytest.raises(ValueError, match="already quantized"):
         quantize_model(m, "q4")
+
+
+def test_int8_rows_are_the_row_absmax_grid_exactly():
+    """from_float avoids temporaries; the codes and scales must be what the plain formula gives."""
+    g = torch.Generator().manual_seed(3)
+    w = torch.randn(300, 200, generator=g) * torch.logspace(-3, 2, 300)[:, None]
+    w[5] = 0                                                           # a row of zeros keeps a tiny scale
+    before = w.clone()
+    layer = Int8Linear.from_float(w)
+    assert torch.equal(w, before)                                      # rounding in place touches a copy only
+    scale = w.abs().amax(dim=1).clamp_min(1e-12) / 127
+    assert torch.equal(layer.scale, scale)
+    assert torch.equal(layer.q, torch.round(w / scale[:, None]).clamp(-127, 127).to(torch.int8))
+
+
+def test_compare_in_row_chunks_is_the_whole_kl():
+    g = torch.Generator().manual_seed(4)
+    ref, other = (torch.randn(150, 500, generator=g).log_softmax(-1) for _ in range(2))
+    kl = (ref.exp() * (ref - other)).sum(-1)
+    got = compare(ref, other, list(range(150)))
+    assert got["kl"] == pytest.approx(kl.mean().item(), rel=1e-6) and got["kl_max"] == pytest.approx(kl.max().item(), rel=1e-6)
