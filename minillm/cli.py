@@ -90,6 +90,9 @@ def build_parser() -> argparse.ArgumentParser:
     _add_model_args(g)
     _add_sampling_args(g)
     _add_speculative_args(g)
+    g.add_argument("--tensor-parallel", type=int, default=None, metavar="N",
+                   help="split the model across N processes of this machine (torch.distributed, gloo; the kv "
+                        "stage, float32); N must divide the heads: 1 or 3 for SmolLM2. Prints the answer at the end")
 
     c = sub.add_parser("chat", help="chat in the terminal (/reset clears, /exit or Ctrl-D quits)")
     c.add_argument("--system", default=None, help="a system message")
@@ -191,6 +194,8 @@ def cmd_generate(args) -> None:
 
     params = _sampling(args)
     _check_speculative(args)
+    if args.tensor_parallel is not None:
+        return _generate_tensor_parallel(args, params)
     model, tok, device = _load(args)
     ids = tok.apply_chat_template([{"role": "user", "content": args.prompt}]) if args.chat else tok.encode(args.prompt)
     check_prompt(ids, model.cfg.max_seq_len)
@@ -221,6 +226,30 @@ def cmd_generate(args) -> None:
                  f"accepted, {result.mean_accepted_tokens:.2f} per pass" if spec else "")
         print(f"[{len(result.token_ids)} tokens, {result.finish_reason}; ttft {result.ttft_s * 1e3:.0f} ms, "
               f"decode {result.decode_tokens_per_s:.1f} tok/s, stage {result.stage}, {device}{extra}]", file=sys.stderr)
+
+
+def _generate_tensor_parallel(args, params) -> None:
+    from . import ModelConfig, load_tokenizer
+    from .distributed import check_tensor_parallel
+    from .distributed.launch import tensor_parallel_generate
+    from .generate import check_prompt
+
+    others = {"--quant": args.quant, "--speculative": args.speculative, "--kv-cache-dtype": args.kv_cache_dtype,
+              "--device": args.device}
+    given = [flag for flag, value in others.items() if value is not None]
+    if given or args.dtype != "float32":
+        _fail(f"--tensor-parallel runs the kv stage in float32 on this machine's CPU; drop {', '.join(given) or '--dtype'}")
+    check_tensor_parallel(ModelConfig(), args.tensor_parallel)
+    tok = load_tokenizer(args.model)
+    ids = tok.apply_chat_template([{"role": "user", "content": args.prompt}]) if args.chat else tok.encode(args.prompt)
+    check_prompt(ids, ModelConfig().max_seq_len)
+    out = tensor_parallel_generate(ids, params, args.tensor_parallel, path=args.model)
+    if args.json:
+        print(json.dumps({"prompt_tokens": len(ids), "token_ids": out["token_ids"], "text": out["text"],
+                          "tensor_parallel": args.tensor_parallel, "stage": "kv"}))
+    else:
+        print(out["text"])
+        print(f"[{len(out['token_ids'])} tokens; kv stage split across {args.tensor_parallel} processes]", file=sys.stderr)
 
 
 def cmd_chat(args) -> None:

@@ -62,6 +62,8 @@ def test_generate_speculative_json_reports_acceptance(stage):
     (["generate", "hi", "--quant", "int3"], "invalid choice: 'int3'"),
     (["generate", "hi", "--kv-cache-dtype", "fp8"], "invalid choice: 'fp8'"),
     (["generate", "hi", "--stage", "paged", "--kv-cache-dtype", "int8"], "kv, flash and continuous stages"),
+    (["generate", "hi", "--tensor-parallel", "2"], "use one of [1, 3]"),
+    (["generate", "hi", "--tensor-parallel", "3", "--quant", "int8"], "drop --quant"),
     (["serve", "--port", "70000"], "--port must be in [0, 65535]"),
     (["serve", "--max-queued-requests", "0"], "--max-queued-requests"),
     (["serve", "--speculative", "magic"], "unknown speculative proposer"),

@@ -1,0 +1,8 @@
+"""Beyond one device, on torch.distributed (gloo on CPUs, NCCL on GPUs).
+
+    tensor_parallel.py   one model split across ranks, Megatron-style: shard_model, check_tensor_parallel
+    launch.py            start N ranks from one command (loopback rendezvous, timeouts) and generate
+"""
+from .tensor_parallel import check_tensor_parallel, shard_model
+
+__all__ = ["check_tensor_parallel", "shard_model"]

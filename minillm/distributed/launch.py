@@ -1,0 +1,117 @@
+"""Start the ranks of one job from one command, on this machine: a rendezvous on a loopback port, one
+process per rank (gloo on CPUs), and a deadline on everything, so a rank that fails or never joins ends
+the whole run with a message instead of a hang.
+
+    run_ranks(fn, world, *args, timeout_s=120)   fn(rank, world, *args) in every rank; rank 0's result
+    tensor_parallel_generate(prompt_ids, params, world)   the kv stage on a model split across `world` ranks
+"""
+from __future__ import annotations
+
+import os
+import queue
+import socket
+import time
+from datetime import timedelta
+
+import torch.distributed as dist
+import torch.multiprocessing as mp
+
+
+def free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def init_rank(rank: int, world: int, port: int, timeout_s: float, backend: str = "gloo") -> None:
+    """Join the job's process group; every collective afterwards gives up after timeout_s."""
+    try:
+        dist.init_process_group(backend, init_method=f"tcp://127.0.0.1:{port}", rank=rank, world_size=world,
+                                timeout=timedelta(seconds=timeout_s))
+    except Exception as e:   # the store's own message names the missing ranks
+        raise RuntimeError(f"rank {rank} of {world}: the other ranks did not all join within {timeout_s:g} s "
+                           f"({type(e).__name__}: {str(e).splitlines()[0]})") from None
+
+
+def _rank_main(rank, world, port, timeout_s, fn, args, results):
+    os.environ.setdefault("OMP_NUM_THREADS", "1")
+    try:
+        init_rank(rank, world, port, timeout_s)
+        out = fn(rank, world, *args)
+        results.put(("ok", rank, out if rank == 0 else None))
+    except BaseException as e:   # noqa: BLE001 - reported to the parent, which ends every rank
+        results.put(("error", rank, f"{type(e).__name__}: {str(e).splitlines()[0] if str(e) else ''}"))
+    finally:
+        if dist.is_initialized():
+            dist.destroy_process_group()
+
+
+def run_ranks(fn, world: int, *args, timeout_s: float = 120.0, join_timeout_s: float | None = None):
+    """Run fn(rank, world, *args) in `world` fresh processes; return rank 0's result. The first rank to fail
+    ends them all (RuntimeError naming it); the whole run is bounded by timeout_s (TimeoutError).
+    join_timeout_s: how long ranks wait for each other in the rendezvous and in every collective."""
+    ctx = mp.get_context("spawn")
+    results = ctx.Queue()
+    port = free_port()
+    procs = [ctx.Process(target=_rank_main, args=(r, world, port, join_timeout_s or timeout_s, fn, args, results),
+                         daemon=True) for r in range(world)]
+    for p in procs:
+        p.start()
+    deadline, done, answer = time.monotonic() + timeout_s, 0, None
+    try:
+        while done < world:
+            left = deadline - time.monotonic()
+            if left <= 0:
+                raise TimeoutError(f"{world - done} of {world} ranks still running after {timeout_s:g} s")
+            try:
+                status, rank, value = results.get(timeout=min(left, 1.0))
+            except queue.Empty:
+                dead = [r for r, p in enumerate(procs) if p.exitcode not in (None, 0)]
+                if dead:
+                    raise RuntimeError(f"rank {dead[0]} of {world} died (exit code {procs[dead[0]].exitcode})")
+                continue
+            if status == "error":
+                time.sleep(0.5)                        # a rank that died takes its partners down with it:
+                dead = [r for r, p in enumerate(procs) if p.exitcode not in (None, 0) and r != rank]
+                if dead:                               # name the cause, not the first rank to notice
+                    raise RuntimeError(f"rank {dead[0]} of {world} died (exit code {procs[dead[0]].exitcode}); "
+                                       f"rank {rank} then failed: {value}")
+                raise RuntimeError(f"rank {rank} of {world} failed: {value}")
+            done += 1
+            answer = value if rank == 0 else answer
+        return answer
+    finally:
+        for p in procs:
+            p.join(timeout=5)
+            if p.is_alive():
+                p.terminate()
+                p.join(timeout=5)
+
+
+def _generate_rank(rank, world, prompt_ids, params, path):
+    import torch
+
+    import minillm
+    from minillm.generate import generate
+
+    from .tensor_parallel import shard_model
+
+    torch.set_num_threads(1)
+    tok = minillm.load_tokenizer(path)
+    model = shard_model(minillm.load_model(path), rank, world)
+    with torch.inference_mode():
+        logits = model(torch.tensor([prompt_ids]))[0, -1]           # (vocab,) the last prompt token's
+    out = generate(model, tok, prompt_ids, params, stage="kv")
+    return {"token_ids": out.token_ids, "text": out.text, "prompt_logits": logits.numpy()}   # by value, not a shared tensor
+
+
+def tensor_parallel_generate(prompt_ids: list[int], params, world: int, path=None, timeout_s: float = 300.0) -> dict:
+    """Greedy or sampled generation (the kv stage) with the model split across `world` ranks of this
+    machine; {"token_ids", "text", "prompt_logits"} from rank 0. Every rank runs the same loop on the
+    same (all-gathered) logits, so all of them pick the same tokens."""
+    import minillm
+
+    from .tensor_parallel import check_tensor_parallel
+
+    check_tensor_parallel(minillm.ModelConfig(), world)
+    return run_ranks(_generate_rank, world, list(prompt_ids), params, path, timeout_s=timeout_s)

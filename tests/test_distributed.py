@@ -1,0 +1,56 @@
+"""Tensor parallelism on torch.distributed (gloo, processes on this CPU): the same tokens as one process,
+and a rank that fails, dies or never joins ends the run with a message within a bounded time."""
+import time
+
+import pytest
+import torch
+from helpers import ranks
+
+from minillm.config import ModelConfig
+from minillm.distributed import check_tensor_parallel
+from minillm.distributed.launch import free_port, init_rank, run_ranks, tensor_parallel_generate
+from minillm.generate import generate
+from minillm.sampling import SamplingParams
+
+
+def test_sizes_that_do_not_divide_are_refused_with_the_ones_that_do():
+    check_tensor_parallel(ModelConfig(), 3)
+    with pytest.raises(ValueError, match=r"query heads \(9\), KV heads \(3\).*one of \[1, 3\]"):
+        check_tensor_parallel(ModelConfig(), 2)
+
+
+@pytest.mark.parametrize("world", [1, 3])
+def test_tensor_parallel_gives_the_kv_stages_tokens(model, tokenizer, world):
+    ids = tokenizer.encode("The capital of France is")
+    params = SamplingParams(max_tokens=12)
+    out = tensor_parallel_generate(ids, params, world, timeout_s=240)
+    assert out["token_ids"] == generate(model, tokenizer, ids, params, stage="kv").token_ids
+    with torch.inference_mode():
+        ref = model(torch.tensor([ids]))[0, -1]                          # (vocab,)
+    diff = (torch.from_numpy(out["prompt_logits"]) - ref).abs().max() / ref.abs().max()
+    assert diff < 1e-5, f"logits differ by {diff:.2e} of their largest value"
+
+
+def test_ranks_meet_in_a_collective():
+    assert run_ranks(ranks.sum_of_ranks, 3, timeout_s=60) == 0 + 1 + 2
+
+
+def test_a_failing_rank_ends_the_run_with_its_message():
+    t0 = time.monotonic()
+    with pytest.raises(RuntimeError, match="rank 1 of 2 failed: ValueError: rank 1 was told to fail"):
+        run_ranks(ranks.rank_one_raises, 2, timeout_s=60, join_timeout_s=30)
+    assert time.monotonic() - t0 < 40
+
+
+def test_a_rank_that_dies_ends_the_run():
+    t0 = time.monotonic()
+    with pytest.raises(RuntimeError, match=r"rank 1 of 2 died \(exit code 3\)"):
+        run_ranks(ranks.rank_one_dies, 2, timeout_s=60, join_timeout_s=30)
+    assert time.monotonic() - t0 < 40
+
+
+def test_a_rank_that_never_joins_is_reported_after_the_timeout():
+    t0 = time.monotonic()
+    with pytest.raises(RuntimeError, match="rank 0 of 2: the other ranks did not all join within 2 s"):
+        init_rank(0, 2, free_port(), timeout_s=2)
+    assert time.monotonic() - t0 < 15
