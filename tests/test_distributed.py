@@ -54,3 +54,15 @@ def test_a_rank_that_never_joins_is_reported_after_the_timeout():
     with pytest.raises(RuntimeError, match="rank 0 of 2: the other ranks did not all join within 2 s"):
         init_rank(0, 2, free_port(), timeout_s=2)
     assert time.monotonic() - t0 < 15
+
+
+def test_kv_blocks_move_between_pools_and_land_in_free_blocks():
+    stats = run_ranks(ranks.kv_send_then_receive, 2, timeout_s=60)
+    assert stats["bytes"] == 2 * 2 * 3 * 4 * 1 * 8 * 4          # K and V, 2 layers, 3 blocks of 4, 1 head of 8, float32
+
+
+def test_a_transfer_that_breaks_off_frees_its_blocks_and_says_so(tmp_path):
+    report = tmp_path / "receiver.txt"
+    with pytest.raises(RuntimeError, match="rank 1 of 2 died"):
+        run_ranks(ranks.kv_sender_dies_midway, 2, str(report), timeout_s=60, join_timeout_s=10)
+    assert report.read_text().startswith("freed: K/V of sequence 7 from rank 1 broke off after 0 bytes")

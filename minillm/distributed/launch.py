@@ -102,7 +102,8 @@ def _generate_rank(rank, world, prompt_ids, params, path):
     with torch.inference_mode():
         logits = model(torch.tensor([prompt_ids]))[0, -1]           # (vocab,) the last prompt token's
     out = generate(model, tok, prompt_ids, params, stage="kv")
-    return {"token_ids": out.token_ids, "text": out.text, "prompt_logits": logits.numpy()}   # by value, not a shared tensor
+    return {"token_ids": out.token_ids, "text": out.text, "prompt_logits": logits.numpy(),   # by value, not shared
+            "decode_tokens_per_s": out.decode_tokens_per_s}
 
 
 def tensor_parallel_generate(prompt_ids: list[int], params, world: int, path=None, timeout_s: float = 300.0) -> dict:

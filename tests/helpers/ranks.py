@@ -23,3 +23,54 @@ def rank_one_dies(rank, world):
         os._exit(3)                        # no exception, no message: the process is simply gone
     dist.all_reduce(torch.zeros(1))
     return "unreachable"
+
+
+def _pool(seed, taken):
+    """A small float pool with `taken` blocks held by another sequence, and sequence 7 written with
+    seeded random K/V (on the sender) or nothing (on the receiver)."""
+    from minillm.config import ModelConfig
+    from minillm.kv import BlockPool
+
+    cfg = ModelConfig(n_layers=2, n_heads=3, n_kv_heads=1, head_dim=8)
+    pool = BlockPool(cfg, num_blocks=16, block_size=4)
+    pool.allocate("other", 4 * taken)
+    return pool
+
+
+def kv_send_then_receive(rank, world):
+    from minillm.distributed.kv_transfer import recv_sequence, send_sequence
+
+    g = torch.Generator().manual_seed(0)
+    k, v = torch.randn(2, 10, 1, 8, generator=g), torch.randn(2, 10, 1, 8, generator=g)   # (layers, T, n_kv, hd)
+    if rank == 0:
+        pool = _pool(0, taken=1)
+        slots = pool.allocate(7, 10)
+        for layer in range(2):
+            pool.write(layer, slots, k[layer], v[layer])
+        return send_sequence(pool, 7, dst=1)
+    pool = _pool(1, taken=3)                               # the blocks land elsewhere here
+    stats = recv_sequence(pool, 7, src=0)
+    same = all(torch.equal(pool.gather(layer, 7)[0], k[layer]) and torch.equal(pool.gather(layer, 7)[1], v[layer])
+               for layer in range(2))
+    assert same and stats["length"] == 10 and pool.tables[7] != [1, 2, 3], (stats, pool.tables)
+    return None
+
+
+def kv_sender_dies_midway(rank, world, report):
+    """Rank 1 sends the header of a sequence, then dies; rank 0, receiving, writes what happened to `report`."""
+    from minillm.distributed.kv_transfer import TransferFailed, recv_sequence
+
+    if rank == 1:
+        dist.send(torch.tensor([10], dtype=torch.int64), 0)     # the header, then nothing
+        os._exit(1)
+    pool = _pool(1, taken=3)
+    free = pool.num_free_blocks
+    try:
+        recv_sequence(pool, 7, src=1)
+        outcome = "the transfer did not fail"
+    except TransferFailed as e:
+        kept = 7 in pool.tables or pool.num_free_blocks != free
+        outcome = "kept blocks of a failed transfer" if kept else f"freed: {e}"
+    with open(report, "w") as f:
+        f.write(outcome)
+    return outcome

@@ -1,0 +1,99 @@
+"""Moving a sequence's KV cache from one worker's block pool to another's, over torch.distributed
+point-to-point: the building block of disaggregated serving (a prefill worker computes a prompt's K/V, a
+decode worker continues the request from them).
+
+    send_sequence(pool, seq, dst)     its length, then K and V of its blocks (every layer), in table order
+    recv_sequence(pool, seq, src)     allocates blocks for that length in this pool and fills them
+
+Only the blocks in use travel, and they land wherever this pool has free blocks: the receiver's block
+table is its own. A receive that fails midway (the sender died, the link timed out) frees what it took and
+raises TransferFailed, so the caller can recompute the request from its tokens instead of losing it.
+Float pools only; a quantized pool would send its codes and scales the same way.
+"""
+from __future__ import annotations
+
+import time
+
+import torch
+import torch.distributed as dist
+
+from ..kv import BlockPool
+
+
+class TransferFailed(RuntimeError):
+    """The K/V did not arrive; nothing of the sequence is left in the receiving pool."""
+
+
+def _check(pool: BlockPool) -> None:
+    if pool.k is None or pool.kv_dtype:
+        raise ValueError("send and receive need a float block pool with K/V tensors")
+
+
+def send_sequence(pool: BlockPool, seq, dst: int) -> dict:
+    """Send seq's length and K/V blocks to rank dst; {"bytes", "seconds"} of the transfer."""
+    _check(pool)
+    t0 = time.perf_counter()
+    table = torch.tensor(pool.tables[seq], dtype=torch.int64)
+    dist.send(torch.tensor([pool.lengths[seq]], dtype=torch.int64), dst)
+    sent = 0
+    for cache in (pool.k, pool.v):
+        blocks = cache[:, table].contiguous()          # (layers, blocks, block_size, n_kv, hd)
+        dist.send(blocks, dst)
+        sent += blocks.numel() * blocks.element_size()
+    return {"bytes": sent, "seconds": time.perf_counter() - t0}
+
+
+def recv_sequence(pool: BlockPool, seq, src: int) -> dict:
+    """Receive a sequence from rank src into free blocks of this pool, as `seq`; {"bytes", "seconds",
+    "length"}. Raises TransferFailed (and holds nothing for seq) if it does not all arrive."""
+    _check(pool)
+    t0 = time.perf_counter()
+    length = torch.zeros(1, dtype=torch.int64)
+    try:
+        dist.recv(length, src)
+    except RuntimeError as e:
+        raise TransferFailed(f"no K/V header for sequence {seq} from rank {src}: {str(e).splitlines()[0]}") from None
+    pool.allocate(seq, int(length))                     # OutOfBlocks: the caller waits or recomputes
+    table = torch.tensor(pool.tables[seq], dtype=torch.int64)
+    got = 0
+    try:
+        for cache in (pool.k, pool.v):
+            blocks = torch.empty((cache.shape[0], len(table), *cache.shape[2:]), dtype=cache.dtype)
+            dist.recv(blocks, src)
+            cache[:, table] = blocks
+            got += blocks.numel() * blocks.element_size()
+    except RuntimeError as e:
+        pool.free_seq(seq)
+        raise TransferFailed(f"K/V of sequence {seq} from rank {src} broke off after {got} bytes: "
+                             f"{str(e).splitlines()[0]}") from None
+    return {"bytes": got, "seconds": time.perf_counter() - t0, "length": int(length)}
+
+
+def transfer_costs(rank: int, world: int, lengths: list[int], repeats: int = 5) -> dict | None:
+    """Run in 2 ranks (run_ranks): rank 0 sends sequences of each length of SmolLM2's float32 K/V to rank 1,
+    `repeats` times; rank 0 returns {length: {"bytes", "seconds" (median)}}."""
+    import statistics
+
+    from ..config import ModelConfig
+
+    cfg = ModelConfig()
+    pool = BlockPool(cfg, num_blocks=-(-max(lengths) // 16) + 1, block_size=16)
+    out = {}
+    for n in lengths:
+        times = []
+        for _ in range(repeats):
+            dist.barrier()
+            if rank == 0:
+                pool.allocate(0, n)
+                t0 = time.perf_counter()
+                send_sequence(pool, 0, dst=1)
+                dist.recv(torch.zeros(1), 1)            # the receiver has it all: the transfer is over
+                times.append(time.perf_counter() - t0)
+            else:
+                recv_sequence(pool, 0, src=0)
+                dist.send(torch.zeros(1), 0)
+            pool.free_seq(0)
+        if rank == 0:
+            out[n] = {"bytes": 2 * cfg.n_layers * -(-n // 16) * 16 * cfg.n_kv_heads * cfg.head_dim * 4,
+                      "seconds": statistics.median(times)}
+    return out if rank == 0 else None
