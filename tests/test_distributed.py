@@ -66,3 +66,22 @@ def test_a_transfer_that_breaks_off_frees_its_blocks_and_says_so(tmp_path):
     with pytest.raises(RuntimeError, match="rank 1 of 2 died"):
         run_ranks(ranks.kv_sender_dies_midway, 2, str(report), timeout_s=60, join_timeout_s=10)
     assert report.read_text().startswith("freed: K/V of sequence 7 from rank 1 broke off after 0 bytes")
+
+
+def test_disaggregated_prefill_and_decode_give_the_single_engines_outputs(model, tokenizer):
+    from minillm.distributed.disaggregated import disaggregated_generate
+    from minillm.engine import LLM
+
+    texts = ["The capital of France is",
+             "Once upon a time, in a land far away, there lived a king who had three daughters. The youngest",
+             "Water boils at 100 degrees Celsius at sea level. At the top of a high mountain it boils at"]
+    prompts = [tokenizer.encode(t) for t in texts]
+    params = SamplingParams(max_tokens=8, ignore_eos=True)
+    single = [o.token_ids for o in LLM(model, tokenizer, verbose=False).generate(prompts, params, use_tqdm=False)]
+    out = disaggregated_generate(prompts, params, break_at=1, timeout_s=240)   # prompt 1's transfer breaks off
+    assert [o["token_ids"] for o in out] == single
+    full = [(len(p) - 1) // 16 for p in prompts]                    # blocks a request can take from a cache
+    assert [o["blocks"] for o in out] == [full[0], 0, full[2]] and full[2] > 0
+    assert out[2]["num_cached_tokens"] == 16 * full[2] and out[2]["bytes"] == full[2] * 2 * 30 * 16 * 3 * 64 * 4
+    assert out[1]["failed"].startswith("the prefill worker broke off") and out[1]["num_cached_tokens"] == 0
+    assert [o["blocks_cached"] for o in out] == [full[0], full[0], full[0] + full[2]]   # exactly what arrived

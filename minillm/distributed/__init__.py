@@ -2,6 +2,8 @@
 
     tensor_parallel.py   one model split across ranks, Megatron-style: shard_model, check_tensor_parallel
     launch.py            start N ranks from one command (loopback rendezvous, timeouts) and generate
+    kv_transfer.py       a sequence's K/V blocks from one block pool to another, point-to-point
+    disaggregated.py     prefill on one worker, decode on another, the KV cache shipped between them
 """
 from .tensor_parallel import check_tensor_parallel, shard_model
 
