@@ -17,13 +17,10 @@ A transfer that breaks off leaves nothing registered: the decode worker computes
 """
 from __future__ import annotations
 
-import time
-
 import torch
-import torch.distributed as dist
 
 from ..kv.prefix_cache import chain_hashes
-from .kv_transfer import TransferFailed
+from .kv_transfer import TransferFailed, recv_sequence, send_sequence
 
 DECODE, PREFILL = 0, 1
 
@@ -35,52 +32,25 @@ def _full_blocks(pool, prompt_ids: list[int]) -> list[bytes]:
 
 
 def send_prefix(pool, prompt_ids: list[int], dst: int, break_off: bool = False) -> dict:
-    """Send the K/V of the prompt's cached full blocks; break_off: stop after K (a simulated failure)."""
+    """Send the K/V of the prompt's cached full blocks (a sequence that borrows them while they travel)."""
     blocks = pool.lookup(_full_blocks(pool, prompt_ids), prompt_ids)
-    index = torch.tensor(blocks, dtype=torch.int64)
-    dist.send(torch.tensor([len(blocks)]), dst)
-    sent = 0
-    for i, cache in enumerate((pool.k, pool.v)):
-        ok = not (break_off and i == 1)
-        dist.send(torch.tensor([int(ok)]), dst)
-        if not ok:
-            break
-        data = cache[:, index].contiguous()                      # (layers, blocks, block_size, n_kv, hd)
-        dist.send(data, dst)
-        sent += data.numel() * data.element_size()
-    return {"blocks": len(blocks), "bytes": sent}
+    pool.allocate("sending", 0)
+    pool.share("sending", blocks)
+    try:
+        return send_sequence(pool, "sending", dst, break_off) | {"blocks": len(blocks)}
+    finally:
+        pool.free_seq("sending")                                  # parked again, still cached here
 
 
 def recv_prefix(pool, prompt_ids: list[int], src: int) -> dict:
-    """Receive a prompt's full blocks into free blocks of this prefix-caching pool and register them.
-    TransferFailed (nothing kept) when the sender breaks off or the link fails."""
-    t0 = time.perf_counter()
-    n = torch.zeros(1, dtype=torch.int64)
-    dist.recv(n, src)
-    n = int(n)
-    if n > pool.num_free_blocks:
-        raise TransferFailed(f"{n} blocks do not fit: {pool.num_free_blocks} free")
-    blocks = [pool._take() for _ in range(n)]
-    index, got = torch.tensor(blocks, dtype=torch.int64), 0
-    try:
-        for cache in (pool.k, pool.v):
-            flag = torch.zeros(1, dtype=torch.int64)
-            dist.recv(flag, src)
-            if not int(flag):
-                raise TransferFailed(f"the prefill worker broke off after {got} bytes")
-            data = torch.empty((cache.shape[0], n, *cache.shape[2:]), dtype=cache.dtype)
-            dist.recv(data, src)
-            cache[:, index] = data
-            got += data.numel() * data.element_size()
-    except (TransferFailed, RuntimeError) as e:
-        for b in blocks:
-            pool._release(b)                                      # back to the free list, unregistered
-        raise TransferFailed(str(e).splitlines()[0]) from None
-    bs = pool.block_size
-    for j, (block, address) in enumerate(zip(blocks, _full_blocks(pool, prompt_ids))):
-        pool.register(block, address, prompt_ids[j * bs:(j + 1) * bs])
-        pool._release(block)                                      # parked, findable by its address
-    return {"blocks": n, "bytes": got, "seconds": time.perf_counter() - t0}
+    """Receive a prompt's full blocks into this prefix-caching pool and register them under their
+    addresses, parked like blocks this pool computed. TransferFailed (nothing kept) if they do not arrive."""
+    stats = recv_sequence(pool, "arriving", src, sender="the prefill worker")
+    bs, table = pool.block_size, pool.tables["arriving"]
+    for j, address in enumerate(_full_blocks(pool, prompt_ids)):
+        pool.register(table[j], address, prompt_ids[j * bs:(j + 1) * bs])
+    pool.free_seq("arriving")                                     # refcount 0 and registered: parked
+    return stats | {"blocks": len(table)}
 
 
 def _worker(rank, world, prompts, params, engine_options, break_at):

@@ -29,21 +29,26 @@ def _check(pool: BlockPool) -> None:
         raise ValueError("send and receive need a float block pool with K/V tensors")
 
 
-def send_sequence(pool: BlockPool, seq, dst: int) -> dict:
-    """Send seq's length and K/V blocks to rank dst; {"bytes", "seconds"} of the transfer."""
+def send_sequence(pool: BlockPool, seq, dst: int, break_off: bool = False) -> dict:
+    """Send seq's length and K/V blocks to rank dst; {"bytes", "seconds"} of the transfer.
+    break_off: stop after K, as a link that fails midway would (to show and test the recompute)."""
     _check(pool)
     t0 = time.perf_counter()
     table = torch.tensor(pool.tables[seq], dtype=torch.int64)
     dist.send(torch.tensor([pool.lengths[seq]], dtype=torch.int64), dst)
     sent = 0
-    for cache in (pool.k, pool.v):
+    for i, cache in enumerate((pool.k, pool.v)):
+        ok = not (break_off and i == 1)
+        dist.send(torch.tensor([int(ok)]), dst)          # each part announced, so a break-off stays in step
+        if not ok:
+            break
         blocks = cache[:, table].contiguous()          # (layers, blocks, block_size, n_kv, hd)
         dist.send(blocks, dst)
         sent += blocks.numel() * blocks.element_size()
     return {"bytes": sent, "seconds": time.perf_counter() - t0}
 
 
-def recv_sequence(pool: BlockPool, seq, src: int) -> dict:
+def recv_sequence(pool: BlockPool, seq, src: int, sender: str = "the sender") -> dict:
     """Receive a sequence from rank src into free blocks of this pool, as `seq`; {"bytes", "seconds",
     "length"}. Raises TransferFailed (and holds nothing for seq) if it does not all arrive."""
     _check(pool)
@@ -58,10 +63,17 @@ def recv_sequence(pool: BlockPool, seq, src: int) -> dict:
     got = 0
     try:
         for cache in (pool.k, pool.v):
+            ok = torch.zeros(1, dtype=torch.int64)
+            dist.recv(ok, src)
+            if not int(ok):
+                raise TransferFailed(f"{sender} broke off after {got} bytes")
             blocks = torch.empty((cache.shape[0], len(table), *cache.shape[2:]), dtype=cache.dtype)
             dist.recv(blocks, src)
             cache[:, table] = blocks
             got += blocks.numel() * blocks.element_size()
+    except TransferFailed:
+        pool.free_seq(seq)
+        raise
     except RuntimeError as e:
         pool.free_seq(seq)
         raise TransferFailed(f"K/V of sequence {seq} from rank {src} broke off after {got} bytes: "
