@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import os
 import sys
 
 import torch
@@ -229,9 +230,9 @@ def cmd_generate(args) -> None:
 
 
 def _generate_tensor_parallel(args, params) -> None:
+    """Spawn the ranks here, or, started by torchrun (WORLD_SIZE set), be one of them."""
     from . import ModelConfig, load_tokenizer
-    from .distributed import check_tensor_parallel
-    from .distributed.launch import tensor_parallel_generate
+    from .distributed import check_tensor_parallel, launch
     from .generate import check_prompt
 
     others = {"--quant": args.quant, "--speculative": args.speculative, "--kv-cache-dtype": args.kv_cache_dtype,
@@ -240,16 +241,31 @@ def _generate_tensor_parallel(args, params) -> None:
     if given or args.dtype != "float32":
         _fail(f"--tensor-parallel runs the kv stage in float32 on this machine's CPU; drop {', '.join(given) or '--dtype'}")
     check_tensor_parallel(ModelConfig(), args.tensor_parallel)
+    torchrun = "WORLD_SIZE" in os.environ
+    if torchrun and int(os.environ["WORLD_SIZE"]) != args.tensor_parallel:
+        _fail(f"torchrun started {os.environ['WORLD_SIZE']} processes but --tensor-parallel is {args.tensor_parallel}; "
+              f"give torchrun --nproc-per-node {args.tensor_parallel}")
+    if torchrun and int(os.environ.get("RANK", 0)) != 0:             # a follower: no tokenizer, no output
+        rank, world = launch.init_from_env()
+        launch.tensor_parallel_rank(rank, world, None, params, args.model)
+        launch.dist.destroy_process_group()
+        return
     tok = load_tokenizer(args.model)
     ids = tok.apply_chat_template([{"role": "user", "content": args.prompt}]) if args.chat else tok.encode(args.prompt)
     check_prompt(ids, ModelConfig().max_seq_len)
-    out = tensor_parallel_generate(ids, params, args.tensor_parallel, path=args.model)
+    if torchrun:
+        out = launch.tensor_parallel_rank(*launch.init_from_env(), ids, params, args.model)
+        launch.dist.destroy_process_group()
+    else:
+        out = launch.tensor_parallel_generate(ids, params, args.tensor_parallel, path=args.model)
+    how = "torchrun" if torchrun else "spawned here"
     if args.json:
         print(json.dumps({"prompt_tokens": len(ids), "token_ids": out["token_ids"], "text": out["text"],
                           "tensor_parallel": args.tensor_parallel, "stage": "kv"}))
     else:
         print(out["text"])
-        print(f"[{len(out['token_ids'])} tokens; kv stage split across {args.tensor_parallel} processes]", file=sys.stderr)
+        print(f"[{len(out['token_ids'])} tokens; kv stage split across {args.tensor_parallel} processes ({how}), "
+              f"decode {out['decode_tokens_per_s']:.1f} tok/s]", file=sys.stderr)
 
 
 def cmd_chat(args) -> None:

@@ -114,12 +114,14 @@ class TextSink:
 
 def stream(model, tokenizer, prompt_ids: list[int], params: SamplingParams | None = None,
            stage: str = "naive", result: Generation | None = None,
-           speculative=None, num_speculative_tokens: int = 4) -> Iterator[str]:
+           speculative=None, num_speculative_tokens: int = 4, runner=None) -> Iterator[str]:
     """Generate, yielding text as it is decoded (never half a character, never part of a stop string).
 
     Pass a `Generation` as `result` to receive the token ids and timings as they happen.
     speculative: a proposer ('ngram', 'layers:N' or a `speculative.Proposer`) drafting
     num_speculative_tokens tokens per step for the model to verify (stage 6, `speculative/`).
+    runner: run on this runner instead of a new one of the stage (rank 0 of a tensor-parallel run passes
+    one that also drives the other ranks, `distributed/leader.py`).
     """
     params = params or SamplingParams()
     max_len = model.cfg.max_seq_len
@@ -135,7 +137,8 @@ def stream(model, tokenizer, prompt_ids: list[int], params: SamplingParams | Non
 
         yield from speculative_decode(model, prompt_ids, params, stage, speculative, num_speculative_tokens, sink)
         return
-    runner = make_runner(model, stage, max_len=min(len(prompt_ids) + params.max_tokens, max_len))
+    if runner is None:
+        runner = make_runner(model, stage, max_len=min(len(prompt_ids) + params.max_tokens, max_len))
     gen = make_generator(params.seed)
 
     t0 = time.perf_counter()
@@ -183,11 +186,11 @@ def _stream_engine(model, tokenizer, prompt_ids, params, result, speculative=Non
 
 
 def generate(model, tokenizer, prompt_ids: list[int], params: SamplingParams | None = None,
-             stage: str = "naive", speculative=None, num_speculative_tokens: int = 4) -> Generation:
+             stage: str = "naive", speculative=None, num_speculative_tokens: int = 4, runner=None) -> Generation:
     """Generate to the end and return the ids, text and timings (and, with `speculative`, its counters)."""
     out = Generation(prompt_tokens=len(prompt_ids))
     for _ in stream(model, tokenizer, prompt_ids, params, stage, result=out,
-                    speculative=speculative, num_speculative_tokens=num_speculative_tokens):
+                    speculative=speculative, num_speculative_tokens=num_speculative_tokens, runner=runner):
         pass
     return out
 

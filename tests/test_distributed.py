@@ -1,5 +1,9 @@
 """Tensor parallelism on torch.distributed (gloo, processes on this CPU): the same tokens as one process,
 and a rank that fails, dies or never joins ends the run with a message within a bounded time."""
+import json
+import os
+import subprocess
+import sys
 import time
 
 import pytest
@@ -85,3 +89,16 @@ def test_disaggregated_prefill_and_decode_give_the_single_engines_outputs(model,
     assert out[2]["num_cached_tokens"] == 16 * full[2] and out[2]["bytes"] == full[2] * 2 * 30 * 16 * 3 * 64 * 4
     assert out[1]["failed"].startswith("the prefill worker broke off") and out[1]["num_cached_tokens"] == 0
     assert [o["blocks_cached"] for o in out] == [full[0], full[0], full[0] + full[2]]   # exactly what arrived
+
+
+def test_torchrun_starts_the_same_run_the_standard_way(model, tokenizer):
+    """torchrun --nproc-per-node 3 -m minillm generate ... --tensor-parallel 3: rank 0 prints, the others follow."""
+    cmd = [sys.executable, "-m", "torch.distributed.run", "--nproc-per-node", "3", "--master-addr", "127.0.0.1",
+           "--master-port", str(free_port()), "-m", "minillm", "generate", "The capital of France is",
+           "--max-tokens", "8", "--tensor-parallel", "3", "--json"]
+    r = subprocess.run(cmd, capture_output=True, text=True, timeout=240, env={**os.environ, "OMP_NUM_THREADS": "1"})
+    assert r.returncode == 0, r.stderr[-2000:]
+    lines = [json.loads(line) for line in r.stdout.splitlines() if line.startswith("{")]
+    assert len(lines) == 1, r.stdout                                      # only rank 0 speaks
+    ids = tokenizer.encode("The capital of France is")
+    assert lines[0]["token_ids"] == generate(model, tokenizer, ids, SamplingParams(max_tokens=8), stage="kv").token_ids

@@ -4,6 +4,7 @@ the whole run with a message instead of a hang.
 
     run_ranks(fn, world, *args, timeout_s=120)   fn(rank, world, *args) in every rank; rank 0's result
     tensor_parallel_generate(prompt_ids, params, world)   the kv stage on a model split across `world` ranks
+    init_from_env() + tensor_parallel_rank(...)           the same, each rank started by torchrun
 """
 from __future__ import annotations
 
@@ -88,31 +89,45 @@ def run_ranks(fn, world: int, *args, timeout_s: float = 120.0, join_timeout_s: f
                 p.join(timeout=5)
 
 
-def _generate_rank(rank, world, prompt_ids, params, path):
+def init_from_env(timeout_s: float = 300.0) -> tuple[int, int]:
+    """Join the process group torchrun set up (RANK, WORLD_SIZE, MASTER_ADDR, MASTER_PORT); (rank, world)."""
+    dist.init_process_group("gloo", init_method="env://", timeout=timedelta(seconds=timeout_s))
+    return dist.get_rank(), dist.get_world_size()
+
+
+def tensor_parallel_rank(rank, world, prompt_ids, params, path=None):
+    """One rank of a tensor-parallel generation. Rank 0 tokens in, result out: {"token_ids", "text",
+    "prompt_logits", "decode_tokens_per_s"}; the others only follow (None).
+    Started by run_ranks (one command) or by torchrun (init_from_env first)."""
     import torch
 
     import minillm
     from minillm.generate import generate
 
+    from .leader import STOP, LeaderRunner, announce, follow
     from .tensor_parallel import shard_model
 
     torch.set_num_threads(1)
-    tok = minillm.load_tokenizer(path)
     model = shard_model(minillm.load_model(path), rank, world)
-    with torch.inference_mode():
-        logits = model(torch.tensor([prompt_ids]))[0, -1]           # (vocab,) the last prompt token's
-    out = generate(model, tok, prompt_ids, params, stage="kv")
+    if rank != 0:
+        follow(model)
+        return None
+    tok = minillm.load_tokenizer(path)
+    max_len = min(len(prompt_ids) + params.max_tokens, model.cfg.max_seq_len)
+    logits = LeaderRunner(model, max_len).prefill(prompt_ids)       # (vocab,) the last prompt token's
+    out = generate(model, tok, prompt_ids, params, stage="kv", runner=LeaderRunner(model, max_len))
+    announce(STOP)
     return {"token_ids": out.token_ids, "text": out.text, "prompt_logits": logits.numpy(),   # by value, not shared
             "decode_tokens_per_s": out.decode_tokens_per_s}
 
 
 def tensor_parallel_generate(prompt_ids: list[int], params, world: int, path=None, timeout_s: float = 300.0) -> dict:
     """Greedy or sampled generation (the kv stage) with the model split across `world` ranks of this
-    machine; {"token_ids", "text", "prompt_logits"} from rank 0. Every rank runs the same loop on the
-    same (all-gathered) logits, so all of them pick the same tokens."""
+    machine; rank 0's {"token_ids", "text", "prompt_logits", "decode_tokens_per_s"}. Rank 0 tokenizes,
+    samples and decodes text; the other ranks run only their share of each forward pass."""
     import minillm
 
     from .tensor_parallel import check_tensor_parallel
 
     check_tensor_parallel(minillm.ModelConfig(), world)
-    return run_ranks(_generate_rank, world, list(prompt_ids), params, path, timeout_s=timeout_s)
+    return run_ranks(tensor_parallel_rank, world, list(prompt_ids), params, path, timeout_s=timeout_s)
