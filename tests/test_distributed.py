@@ -82,13 +82,29 @@ def test_disaggregated_prefill_and_decode_give_the_single_engines_outputs(model,
     prompts = [tokenizer.encode(t) for t in texts]
     params = SamplingParams(max_tokens=8, ignore_eos=True)
     single = [o.token_ids for o in LLM(model, tokenizer, verbose=False).generate(prompts, params, use_tqdm=False)]
-    out = disaggregated_generate(prompts, params, break_at=1, timeout_s=240)   # prompt 1's transfer breaks off
+    out = disaggregated_generate(prompts, params, break_at=1, overlap=False, timeout_s=240)   # 1's transfer breaks off
     assert [o["token_ids"] for o in out] == single
     full = [(len(p) - 1) // 16 for p in prompts]                    # blocks a request can take from a cache
     assert [o["blocks"] for o in out] == [full[0], 0, full[2]] and full[2] > 0
     assert out[2]["num_cached_tokens"] == 16 * full[2] and out[2]["bytes"] == full[2] * 2 * 30 * 16 * 3 * 64 * 4
     assert out[1]["failed"].startswith("the prefill worker broke off") and out[1]["num_cached_tokens"] == 0
     assert [o["blocks_cached"] for o in out] == [full[0], full[0], full[0] + full[2]]   # exactly what arrived
+
+
+def test_the_decode_worker_decodes_while_prompts_arrive(model, tokenizer):
+    """Overlapped: blocks are taken between decode steps, and the outputs are still the single engine's."""
+    from minillm.distributed.disaggregated import colocated_run, disaggregated_run
+
+    prompts = [tokenizer.encode("The capital of France is"), list(range(1000, 1100)), list(range(2000, 2150))]
+    params = SamplingParams(max_tokens=12, ignore_eos=True)
+    run = disaggregated_run(prompts, params, timeout_s=240)
+    single = colocated_run(prompts, params, model=model, tokenizer=tokenizer)
+    assert [r["token_ids"] for r in run["requests"]] == [r["token_ids"] for r in single["requests"]]
+    last_arrival = run["requests"][2]["span"][0]
+    assert any(start < last_arrival for start, *_ in run["steps"]), "no decode step before the last prompt arrived"
+    assert [r["num_cached_tokens"] for r in run["requests"]] == [0, 96, 144]
+    assert all(r["ttft_s"] > 0 and len(r["itl_s"]) == 11 for r in run["requests"])
+    assert [e[:2] for e in run["prefill"]] == [(k, i) for i in range(3) for k in ("prefill", "send")]
 
 
 def test_torchrun_starts_the_same_run_the_standard_way(model, tokenizer):

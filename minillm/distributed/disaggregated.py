@@ -17,12 +17,18 @@ A transfer that breaks off leaves nothing registered: the decode worker computes
 """
 from __future__ import annotations
 
+import queue
+import threading
+import time
+
 import torch
+import torch.distributed as dist
 
 from ..kv.prefix_cache import chain_hashes
 from .kv_transfer import TransferFailed, recv_sequence, send_sequence
 
 DECODE, PREFILL = 0, 1
+NOTICE = 1                                                        # the tag of "prompt i is ready"
 
 
 def _full_blocks(pool, prompt_ids: list[int]) -> list[bytes]:
@@ -53,44 +59,154 @@ def recv_prefix(pool, prompt_ids: list[int], src: int) -> dict:
     return stats | {"blocks": len(table)}
 
 
-def _worker(rank, world, prompts, params, engine_options, break_at):
+def _prefill_worker(engine, prompts, break_at, t0) -> list[tuple]:
+    """Compute each prompt (max_tokens=1), say it is ready, ship its blocks; the timeline of that."""
+    from minillm.sampling import SamplingParams
+
+    events = []
+    for i, prompt in enumerate(prompts):
+        start = time.perf_counter() - t0
+        engine.add_request(i, prompt, SamplingParams(max_tokens=1, ignore_eos=True))
+        while engine.has_unfinished_requests():
+            engine.step()
+        done = time.perf_counter() - t0
+        dist.send(torch.tensor([i]), DECODE, tag=NOTICE)             # "prompt i is ready": the decode
+        send_prefix(engine.pool, prompt, DECODE, break_off=(i == break_at))   # worker takes it between steps
+        events += [("prefill", i, start, done), ("send", i, done, time.perf_counter() - t0)]
+    return events
+
+
+def _receive(engine, prompts, i, params, t0) -> dict:
+    """Take prompt i's blocks into the prefix cache and queue the request (arrived at t0, with the others)."""
+    start = time.perf_counter()
+    try:
+        got = recv_prefix(engine.pool, prompts[i], PREFILL) | {"failed": None}
+    except TransferFailed as e:                                   # nothing kept: the request is recomputed
+        got = {"blocks": 0, "bytes": 0, "seconds": 0.0, "failed": str(e)}
+    got["blocks_cached"] = len(engine.pool.cached)                # this pool's registered blocks so far
+    got["span"] = (start - t0, time.perf_counter() - t0)
+    engine.add_request(i, prompts[i], params, arrival_time=t0)
+    return got
+
+
+class _Notices:
+    """The prefill worker's "prompt i is ready" messages, received by a thread of their own, so that the
+    decode loop can look for one between steps without ever waiting (gloo's irecv cannot be polled)."""
+
+    def __init__(self, n: int):
+        self.queue = queue.Queue()
+        threading.Thread(target=self._listen, args=(n,), daemon=True).start()
+
+    def _listen(self, n: int) -> None:
+        for _ in range(n):
+            ready = torch.zeros(1, dtype=torch.int64)
+            try:
+                dist.recv(ready, PREFILL, tag=NOTICE)
+            except RuntimeError as e:
+                self.queue.put(e)
+                return
+            self.queue.put(int(ready))
+
+    def next(self, wait: bool) -> int | None:
+        """The next ready prompt's index, or None if none is ready (and wait is False)."""
+        try:
+            got = self.queue.get(timeout=dist.default_pg_timeout.total_seconds()) if wait else self.queue.get_nowait()
+        except queue.Empty:
+            return None
+        if isinstance(got, Exception):
+            raise RuntimeError(f"the prefill worker stopped sending: {str(got).splitlines()[0]}")
+        return got
+
+
+def _decode_worker(engine, prompts, params, overlap, t0) -> dict:
+    """Decode, taking each prompt's blocks as they arrive: between steps (overlap) or all before the first."""
+    transfers, outputs, steps = {}, {}, []
+    notices = _Notices(len(prompts))
+    while len(transfers) < len(prompts) or engine.has_unfinished_requests():
+        if len(transfers) < len(prompts):
+            i = notices.next(wait=not overlap or not engine.has_unfinished_requests())
+            if i is not None:
+                transfers[i] = _receive(engine, prompts, i, params, t0)
+                continue
+        start = time.perf_counter() - t0
+        for o in engine.step():
+            if o.finished:
+                outputs[o.request_id] = o
+        stats = engine.stats()
+        steps.append((start, time.perf_counter() - t0, stats["tokens_last_step"], stats["running"]))
+    return {"requests": [_result(outputs[i]) | transfers[i] for i in range(len(prompts))], "steps": steps}
+
+
+def _result(o) -> dict:
+    return {"token_ids": o.token_ids, "text": o.text, "num_cached_tokens": o.num_cached_tokens,
+            "ttft_s": o.metrics.ttft_s, "itl_s": o.metrics.itl_s, "e2e_s": o.metrics.e2e_s}
+
+
+def _worker(rank, world, prompts, params, engine_options, break_at, overlap):
     import minillm
     from minillm.engine import LLMEngine
-    from minillm.sampling import SamplingParams
 
     torch.set_num_threads(1)
     model, tok = minillm.load_model(), minillm.load_tokenizer()
     engine = LLMEngine(model, tok, enable_prefix_caching=True, verbose=False, **engine_options)
+    dist.barrier()                                                # both loaded: the clock starts together
+    t0 = time.perf_counter()
     if rank == PREFILL:
-        for i, prompt in enumerate(prompts):
-            engine.add_request(i, prompt, SamplingParams(max_tokens=1, ignore_eos=True))
-            while engine.has_unfinished_requests():
-                engine.step()
-            send_prefix(engine.pool, prompt, DECODE, break_off=(i == break_at))
+        events = _prefill_worker(engine, prompts, break_at, t0)
+        dist.send(torch.tensor([[kind == "send", i, a, b] for kind, i, a, b in events], dtype=torch.float64), DECODE)
         return None
-    transfers = []
-    for i, prompt in enumerate(prompts):
-        try:
-            transfers.append(recv_prefix(engine.pool, prompt, PREFILL) | {"failed": None})
-        except TransferFailed as e:
-            transfers.append({"blocks": 0, "bytes": 0, "seconds": 0.0, "failed": str(e)})
-        transfers[-1]["blocks_cached"] = len(engine.pool.cached)   # this pool's registered blocks so far
-        engine.add_request(i, prompt, params)
-    outputs = {}
-    while engine.has_unfinished_requests():
-        for o in engine.step():
-            if o.finished:
-                outputs[o.request_id] = o
-    return [{"token_ids": outputs[i].token_ids, "text": outputs[i].text,
-             "num_cached_tokens": outputs[i].num_cached_tokens, **transfers[i]} for i in range(len(prompts))]
+    run = _decode_worker(engine, prompts, params, overlap, t0)
+    events = torch.zeros(2 * len(prompts), 4, dtype=torch.float64)   # the prefill worker's timeline
+    dist.recv(events, PREFILL)
+    run["prefill"] = [("send" if k else "prefill", int(i), a, b) for k, i, a, b in events.tolist()]
+    return run
 
 
-def disaggregated_generate(prompts: list[list[int]], params, engine_options: dict | None = None,
-                           break_at: int | None = None, timeout_s: float = 300.0) -> list[dict]:
-    """Every prompt prefilled by one process and decoded by another; per prompt, in order: token_ids, text,
-    num_cached_tokens (prompt tokens the decode worker did not compute), blocks, bytes and seconds of the
-    transfer, and failed (None, or why it broke off: that prompt was recomputed)."""
+def disaggregated_run(prompts: list[list[int]], params, engine_options: dict | None = None,
+                      break_at: int | None = None, overlap: bool = True, timeout_s: float = 300.0) -> dict:
+    """Every prompt prefilled by one process (rank 1) and decoded by another (rank 0), all arriving at
+    once; {"requests": per prompt, in order, "steps": the decode worker's (start, end, tokens, running),
+    "prefill": the prefill worker's ("prefill" | "send", prompt, start, end)}, times from the start.
+    Per request: token_ids, text, num_cached_tokens (prompt tokens the decode worker did not compute),
+    ttft_s, itl_s, e2e_s, and its transfer: blocks, bytes, seconds, span, failed (None, or why it broke
+    off: that prompt was recomputed), blocks_cached (the decode pool's registered blocks after it arrived).
+    overlap=False receives every prompt before decoding starts."""
     from .launch import run_ranks
 
     options = {"kv_cache_memory": 64 << 20, **(engine_options or {})}
-    return run_ranks(_worker, 2, [list(p) for p in prompts], params, options, break_at, timeout_s=timeout_s)
+    return run_ranks(_worker, 2, [list(p) for p in prompts], params, options, break_at, overlap, timeout_s=timeout_s)
+
+
+def colocated_run(prompts: list[list[int]], params, engine_options: dict | None = None, threads: int = 1,
+                  model=None, tokenizer=None) -> dict:
+    """The baseline: the same requests, all arriving at once, on one engine in this process that prefills
+    (in chunks) and decodes in the same steps; {"requests", "steps"} as disaggregated_run gives them."""
+    import minillm
+    from minillm.engine import LLMEngine
+
+    before = torch.get_num_threads()
+    torch.set_num_threads(threads)
+    options = {"kv_cache_memory": 64 << 20, **(engine_options or {})}
+    engine = LLMEngine(model or minillm.load_model(), tokenizer or minillm.load_tokenizer(),
+                       enable_prefix_caching=True, verbose=False, **options)
+    try:
+        t0 = time.perf_counter()
+        for i, prompt in enumerate(prompts):
+            engine.add_request(i, prompt, params, arrival_time=t0)
+        outputs, steps = {}, []
+        while engine.has_unfinished_requests():
+            start = time.perf_counter() - t0
+            for o in engine.step():
+                if o.finished:
+                    outputs[o.request_id] = o
+            stats = engine.stats()
+            steps.append((start, time.perf_counter() - t0, stats["tokens_last_step"], stats["running"]))
+    finally:
+        torch.set_num_threads(before)
+    return {"requests": [_result(outputs[i]) for i in range(len(prompts))], "steps": steps}
+
+
+def disaggregated_generate(prompts: list[list[int]], params, engine_options: dict | None = None,
+                           break_at: int | None = None, overlap: bool = True, timeout_s: float = 300.0) -> list[dict]:
+    """disaggregated_run's per-request results only."""
+    return disaggregated_run(prompts, params, engine_options, break_at, overlap, timeout_s)["requests"]
