@@ -93,3 +93,12 @@ def measure_matvec_bandwidth(model, rows: int = 1, repeats: int = 10, fn=None, w
     with torch.inference_mode():
         t = median_time(lambda: [fn(xs[w.shape[1]], w) for w in weights], repeats=repeats, warmup=2)
     return sum(w.numel() * w.element_size() for w in weights) / t
+
+
+def tensor_parallel_token_seconds(weight_bytes: int, world: int, collectives: int, sent_per_rank: int,
+                                  memory_bandwidth: float, link_bandwidth: float, collective_latency_s: float) -> float:
+    """An estimate of a memory-bound decode step split across `world` devices: each reads its share of the
+    weights at memory_bandwidth, then pays every collective's fixed latency and sends its bytes over the
+    link. (Assumes no overlap of communication with compute, so it errs on the slow side.)"""
+    return (weight_bytes / world / memory_bandwidth
+            + (collectives * collective_latency_s + sent_per_rank / link_bandwidth if world > 1 else 0.0))

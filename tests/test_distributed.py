@@ -35,6 +35,17 @@ def test_tensor_parallel_gives_the_kv_stages_tokens(model, tokenizer, world):
     assert diff < 1e-5, f"logits differ by {diff:.2e} of their largest value"
 
 
+def test_what_a_token_sends_is_counted_against_the_weights_it_reads(model):
+    from minillm.distributed.tensor_parallel import communication_bytes
+    from minillm.roofline import weight_bytes
+
+    c = communication_bytes(model.cfg, 3)
+    assert c["weight_bytes_per_rank"] * 3 == weight_bytes(model)
+    assert c["collectives"] == 2 * 30 + 2                             # per block 2, the embedding, the logits
+    assert c["sent_per_rank"] == round((2 * 61 * 576 * 4 + 49152 * 4) * 2 / 3)
+    assert communication_bytes(model.cfg, 1)["sent_per_rank"] == 0
+
+
 def test_ranks_meet_in_a_collective():
     assert run_ranks(ranks.sum_of_ranks, 3, timeout_s=60) == 0 + 1 + 2
 
@@ -73,7 +84,7 @@ def test_a_transfer_that_breaks_off_frees_its_blocks_and_says_so(tmp_path):
 
 
 def test_disaggregated_prefill_and_decode_give_the_single_engines_outputs(model, tokenizer):
-    from minillm.distributed.disaggregated import disaggregated_generate
+    from minillm.distributed.disaggregated import disaggregated_generate, transfer_bytes
     from minillm.engine import LLM
 
     texts = ["The capital of France is",
@@ -86,7 +97,7 @@ def test_disaggregated_prefill_and_decode_give_the_single_engines_outputs(model,
     assert [o["token_ids"] for o in out] == single
     full = [(len(p) - 1) // 16 for p in prompts]                    # blocks a request can take from a cache
     assert [o["blocks"] for o in out] == [full[0], 0, full[2]] and full[2] > 0
-    assert out[2]["num_cached_tokens"] == 16 * full[2] and out[2]["bytes"] == full[2] * 2 * 30 * 16 * 3 * 64 * 4
+    assert out[2]["num_cached_tokens"] == 16 * full[2] and out[2]["bytes"] == transfer_bytes(model.cfg, len(prompts[2]))
     assert out[1]["failed"].startswith("the prefill worker broke off") and out[1]["num_cached_tokens"] == 0
     assert [o["blocks_cached"] for o in out] == [full[0], full[0], full[0] + full[2]]   # exactly what arrived
 

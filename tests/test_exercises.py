@@ -177,7 +177,17 @@ def _engine_answers():
         q = torch.cat([b & 0x0F, b >> 4], dim=-1).float()
         return (q * d.float()[..., None] + m.float()[..., None]).view(out, half * 2)
 
-    return {"check_decode_steps": decode_steps, "check_pack": pack, "check_chunk_sizes": chunk_sizes,
+    def qkv_shard(w, n_heads, n_kv, hd, rank, world):
+        h, kv = n_heads // world, n_kv // world
+        q = w[rank * h * hd:(rank + 1) * h * hd]
+        k = w[(n_heads + rank * kv) * hd:(n_heads + (rank + 1) * kv) * hd]
+        v = w[(n_heads + n_kv + rank * kv) * hd:(n_heads + n_kv + (rank + 1) * kv) * hd]
+        return torch.cat([q, k, v])
+
+    def transfer(n, bs, layers, n_kv, hd, nbytes):
+        return 2 * layers * ((n - 1) // bs * bs) * n_kv * hd * nbytes
+
+    return {"check_qkv_shard": qkv_shard, "check_transfer_bytes": transfer, "check_decode_steps": decode_steps, "check_pack": pack, "check_chunk_sizes": chunk_sizes,
             "check_chunk_mask": lambda start, n: torch.ones(n, start + n, dtype=torch.bool).tril(diagonal=start),
             "check_chain": chain, "check_cached_tokens": cached_tokens, "check_verify_greedy": verify,
             "check_residual": residual, "check_parse_sse": parse_sse, "check_percentile": pct,
@@ -217,3 +227,16 @@ def test_engine_exercises_say_what_is_wrong(capsys):
 
     assert not check_residual(lambda p, q: (p - q).clamp_min(0))
     assert "normalize" in capsys.readouterr().out
+
+
+def test_distributed_exercises_say_what_is_wrong(capsys):
+    from minillm.exercises import check_qkv_shard, check_transfer_bytes
+
+    def contiguous(w, n_heads, n_kv, hd, rank, world):       # a slice of the fused rows, kinds mixed
+        n = (n_heads + 2 * n_kv) * hd // world
+        return w[rank * n:(rank + 1) * n]
+    assert not check_qkv_shard(contiguous)
+    assert "q heads | k heads | v heads" in capsys.readouterr().out
+
+    assert not check_transfer_bytes(lambda n, bs, layers, n_kv, hd, nbytes: 2 * layers * n * n_kv * hd * nbytes)
+    assert "only full blocks travel" in capsys.readouterr().out

@@ -31,6 +31,13 @@ DECODE, PREFILL = 0, 1
 NOTICE = 1                                                        # the tag of "prompt i is ready"
 
 
+def transfer_bytes(cfg, prompt_len: int, block_size: int = 16, dtype_bytes: int = 4) -> int:
+    """Bytes the prefill worker sends for a prompt: K and V, every layer, every KV head, of the prompt's
+    full blocks except the one holding its last token (the decode worker computes that token itself)."""
+    tokens = (prompt_len - 1) // block_size * block_size
+    return 2 * cfg.n_layers * tokens * cfg.n_kv_heads * cfg.head_dim * dtype_bytes
+
+
 def _full_blocks(pool, prompt_ids: list[int]) -> list[bytes]:
     """Addresses of the prompt's blocks that a request can take from a cache (all but the last token's)."""
     bs = pool.block_size

@@ -86,6 +86,44 @@ def _rows(w: torch.Tensor, start: int, n: int) -> torch.Tensor:
     return w[start:start + n].clone()
 
 
+def qkv_rows(cfg, rank: int, world: int) -> torch.Tensor:
+    """Indices of the fused QKV weight's rows that `rank` keeps: its query heads, then its KV heads' K and V
+    rows (the layout is q heads | k heads | v heads, head_dim rows each)."""
+    H, n_kv, hd = cfg.n_heads // world, cfg.n_kv_heads // world, cfg.head_dim
+    q = torch.arange(rank * H * hd, (rank + 1) * H * hd)
+    k = cfg.n_heads * hd + torch.arange(rank * n_kv * hd, (rank + 1) * n_kv * hd)
+    return torch.cat([q, k, k + cfg.n_kv_heads * hd])                  # ((H + 2 n_kv) hd,)
+
+
+def communication_bytes(cfg, world: int, dtype_bytes: int = 4) -> dict:
+    """What one decoded token costs in communication, against the weights each rank reads:
+    collectives (2 all-reduces per block, 1 for the embedding, 1 all-gather of the logits), payload (bytes
+    of the results they combine) and sent_per_rank (a ring all-reduce sends 2 (w-1)/w of its payload from
+    each rank, an all-gather (w-1)/w), and weight_bytes_per_rank (every parameter once, / world)."""
+    d, L, vocab = cfg.d_model, cfg.n_layers, cfg.vocab_size
+    reduce_payload = (2 * L + 1) * d * dtype_bytes                      # (1, d) activations each
+    gather_payload = vocab * dtype_bytes                                # one row of logits
+    params = vocab * d + L * (d * (cfg.n_heads + 2 * cfg.n_kv_heads) * cfg.head_dim
+                              + cfg.n_heads * cfg.head_dim * d + 3 * d * cfg.ffn_dim + 2 * d) + d
+    return {"collectives": 2 * L + 2, "payload": reduce_payload + gather_payload,
+            "sent_per_rank": round((2 * reduce_payload + gather_payload) * (world - 1) / world),
+            "weight_bytes_per_rank": params * dtype_bytes // world}
+
+
+def all_reduce_seconds(rank: int, world: int, numel: int, repeats: int = 200) -> float | None:
+    """Run in every rank (run_ranks): the median time of one all-reduce of `numel` float32 values."""
+    import statistics
+    import time
+
+    x, times = torch.ones(numel), []
+    for _ in range(repeats):
+        dist.barrier()
+        t0 = time.perf_counter()
+        dist.all_reduce(x)
+        times.append(time.perf_counter() - t0)
+    return statistics.median(times) if rank == 0 else None
+
+
 @torch.no_grad()
 def shard_model(model, rank: int, world: int):
     """Keep this rank's share of every matrix (in place) and make model.cfg the rank's share; returns model.
@@ -97,12 +135,9 @@ def shard_model(model, rank: int, world: int):
     H, n_kv, hd, ffn = cfg.n_heads // world, cfg.n_kv_heads // world, cfg.head_dim, cfg.ffn_dim // world
     for block in model.layers:
         a, m = block.attn, block.mlp
-        w = a.wqkv.weight                                          # (q | k | v heads) x hd rows
-        q = _rows(w, rank * H * hd, H * hd)
-        k = _rows(w, cfg.n_heads * hd + rank * n_kv * hd, n_kv * hd)
-        v = _rows(w, (cfg.n_heads + cfg.n_kv_heads) * hd + rank * n_kv * hd, n_kv * hd)
+        rows = a.wqkv.weight[qkv_rows(cfg, rank, world)]             # (q | k | v heads) x hd rows: a copy
         a.wqkv = nn.Linear(cfg.d_model, (H + 2 * n_kv) * hd, bias=False)
-        a.wqkv.weight = nn.Parameter(torch.cat([q, k, v]), requires_grad=False)
+        a.wqkv.weight = nn.Parameter(rows, requires_grad=False)
         a.wo = RowParallelLinear(a.wo.weight[:, rank * H * hd:(rank + 1) * H * hd].clone())
         a.n_heads, a.n_kv = H, n_kv
         g = m.w_gate_up.weight                                     # (gate | up) rows

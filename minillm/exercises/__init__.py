@@ -14,9 +14,11 @@ and returns True when everything passes. It never raises, so a notebook runs on 
     notebook 10  check_verify_greedy, check_residual            (speculative.py)
     notebook 11  check_parse_sse, check_percentile              (serving.py)
     notebook 12  check_int8_rows, check_dequantize_q4_1         (quant.py)
+    notebook 13  check_qkv_shard, check_transfer_bytes          (distributed.py)
 """
 from .check import Case, run_checks
 from .chunked import check_chunk_mask, check_chunk_sizes
+from .distributed import check_qkv_shard, check_transfer_bytes
 from .engine import check_decode_steps, check_pack
 from .flash import check_merge_splits, check_online_softmax
 from .gqa import check_gqa_decode, check_repeat_kv
@@ -33,7 +35,8 @@ __all__ = [
     "Case", "check_blocks_needed", "check_cached_tokens", "check_causal_attention", "check_chain",
     "check_chunk_mask", "check_chunk_sizes", "check_decode_steps", "check_dequantize_q4_1", "check_gqa_decode",
     "check_int8_rows", "check_kv_append", "check_kv_bytes", "check_merge_splits", "check_min_p",
-    "check_online_softmax", "check_pack", "check_parse_sse", "check_percentile", "check_repeat_kv",
-    "check_residual", "check_rms_norm", "check_slot_lookup", "check_top_p", "check_verify_greedy",
+    "check_online_softmax", "check_pack", "check_parse_sse", "check_percentile", "check_qkv_shard",
+    "check_repeat_kv", "check_residual", "check_rms_norm", "check_slot_lookup", "check_top_p",
+    "check_transfer_bytes", "check_verify_greedy",
     "run_checks"
 ]
