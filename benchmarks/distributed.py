@@ -1,7 +1,8 @@
 """What crossing processes costs on this machine (torch.distributed, gloo over loopback):
 
 - moving a prompt's KV cache from one worker to another (disaggregated prefill/decode), per prompt length;
-- decode speed of the kv stage with the model split across 1 and 3 processes (tensor parallelism).
+- decode speed of the kv stage with the model split across 1 and 3 processes (tensor parallelism), and
+  the latency of one all-reduce of a (1, 576) activation row (62 of them per token when split).
 
     python benchmarks/distributed.py          # writes benchmarks/results/cpu_distributed.json
 """
@@ -17,6 +18,7 @@ import minillm  # noqa: E402
 from minillm.bench import machine_info  # noqa: E402
 from minillm.distributed.kv_transfer import transfer_costs  # noqa: E402
 from minillm.distributed.launch import run_ranks, tensor_parallel_generate  # noqa: E402
+from minillm.distributed.tensor_parallel import all_reduce_seconds  # noqa: E402
 from minillm.sampling import SamplingParams  # noqa: E402
 
 
@@ -34,8 +36,13 @@ def main() -> None:
         out = tensor_parallel_generate(ids, params, world)
         tp.setdefault(world, []).append(out["decode_tokens_per_s"])
         print(f"tensor parallel {world}: {out['decode_tokens_per_s']:.1f} tok/s decode")
+    latency = {}
+    for world in (2, 3, 2, 3):
+        latency.setdefault(world, []).append(run_ranks(all_reduce_seconds, world, 576, 200, timeout_s=300))
+        print(f"all-reduce of 576 floats across {world} processes: {latency[world][-1] * 1e6:.0f} µs (median of 200)")
     result = {"machine": machine_info(), "kv_transfer": {str(n): r for n, r in transfer.items()},
               "tensor_parallel_decode_tokens_per_s": {str(w): v for w, v in tp.items()},
+              "all_reduce_576_floats_seconds": {str(w): v for w, v in latency.items()},
               "note": "each rank runs 1 torch thread; gloo over loopback TCP"}
     path = Path(__file__).resolve().parent / "results" / "cpu_distributed.json"
     path.write_text(json.dumps(result, indent=1) + "\n")

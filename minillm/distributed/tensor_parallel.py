@@ -103,7 +103,7 @@ def communication_bytes(cfg, world: int, dtype_bytes: int = 4) -> dict:
     d, L, vocab = cfg.d_model, cfg.n_layers, cfg.vocab_size
     reduce_payload = (2 * L + 1) * d * dtype_bytes                      # (1, d) activations each
     gather_payload = vocab * dtype_bytes                                # one row of logits
-    params = vocab * d + L * (d * (cfg.n_heads + 2 * cfg.n_kv_heads) * cfg.head_dim
+    params = (1 if cfg.tie_embeddings else 2) * vocab * d + L * (d * (cfg.n_heads + 2 * cfg.n_kv_heads) * cfg.head_dim
                               + cfg.n_heads * cfg.head_dim * d + 3 * d * cfg.ffn_dim + 2 * d) + d
     return {"collectives": 2 * L + 2, "payload": reduce_payload + gather_payload,
             "sent_per_rank": round((2 * reduce_payload + gather_payload) * (world - 1) / world),
