@@ -35,6 +35,25 @@ def test_tensor_parallel_gives_the_kv_stages_tokens(model, tokenizer, world):
     assert diff < 1e-5, f"logits differ by {diff:.2e} of their largest value"
 
 
+def test_the_engine_split_across_ranks_gives_the_single_engines_outputs(model, tokenizer):
+    """Rank 0 schedules (chunked prefill, two samples per prompt sharing blocks: copy-on-write), every rank
+    runs each step on its shard with a pool of its own."""
+    from minillm.distributed.launch import tensor_parallel_engine_generate
+    from minillm.engine import LLMEngine
+
+    prompts = [tokenizer.encode("Once upon a time, in a land far away, there lived a king"),
+               tokenizer.encode("The capital of France is")]
+    params, options = SamplingParams(max_tokens=10, ignore_eos=True), {"max_num_batched_tokens": 8}
+    out = tensor_parallel_engine_generate(prompts, params, 3, options, n=2, timeout_s=240)
+    engine = LLMEngine(model, tokenizer, verbose=False, kv_cache_memory=64 << 20, **options)
+    for i, p in enumerate(prompts):
+        engine.add_request(str(i), p, params, n=2)
+    single = {}
+    while engine.has_unfinished_requests():
+        single |= {o.request_id: o.token_ids for o in engine.step() if o.finished}
+    assert [o["token_ids"] for o in out] == [single[k] for k in ("0", "0/1", "1", "1/1")]
+
+
 def test_what_a_token_sends_is_counted_against_the_weights_it_reads(model):
     from minillm.distributed.tensor_parallel import communication_bytes
     from minillm.roofline import weight_bytes

@@ -4,6 +4,7 @@ the whole run with a message instead of a hang.
 
     run_ranks(fn, world, *args, timeout_s=120)   fn(rank, world, *args) in every rank; rank 0's result
     tensor_parallel_generate(prompt_ids, params, world)   the kv stage on a model split across `world` ranks
+    tensor_parallel_engine_generate(prompts, params, world)   the serving engine on such a model
     init_from_env() + tensor_parallel_rank(...)           the same, each rank started by torchrun
 """
 from __future__ import annotations
@@ -131,3 +132,46 @@ def tensor_parallel_generate(prompt_ids: list[int], params, world: int, path=Non
 
     check_tensor_parallel(minillm.ModelConfig(), world)
     return run_ranks(tensor_parallel_rank, world, list(prompt_ids), params, path, timeout_s=timeout_s)
+
+
+def tensor_parallel_engine_rank(rank, world, prompts, params, engine_options, path=None, n=1):
+    """One rank of a tensor-parallel serving engine. Rank 0 schedules, samples and detokenizes: a list of
+    {"token_ids", "text", "finish_reason"} per prompt (n per prompt), in order; the others only follow."""
+    import torch
+
+    import minillm
+
+    from .leader import STOP, announce, follow, leader_engine
+    from .tensor_parallel import shard_model
+
+    torch.set_num_threads(1)
+    model = shard_model(minillm.load_model(path), rank, world)
+    if rank != 0:
+        follow(model)
+        return None
+    engine = leader_engine(model, minillm.load_tokenizer(path), verbose=False, **engine_options)
+    for i, prompt in enumerate(prompts):
+        engine.add_request(str(i), prompt, params, n=n)
+    done = {}
+    while engine.has_unfinished_requests():
+        for o in engine.step():
+            if o.finished:
+                done[o.request_id] = o
+    announce(STOP)
+    return [{"token_ids": o.token_ids, "text": o.text, "finish_reason": o.finish_reason}
+            for _, o in sorted(done.items(), key=lambda kv: [int(x) for x in kv[0].split("/")])]
+
+
+def tensor_parallel_engine_generate(prompts: list[list[int]], params, world: int, engine_options: dict | None = None,
+                                    path=None, n: int = 1, timeout_s: float = 300.0) -> list[dict]:
+    """The serving engine (continuous batching, chunked prefill, paged KV cache) on a model split across
+    `world` ranks of this machine: rank 0 runs the scheduler; each step is one forward pass on every rank.
+    n > 1: n samples per prompt, sharing the prompt's blocks (copy-on-write on every rank)."""
+    import minillm
+
+    from .tensor_parallel import check_tensor_parallel
+
+    check_tensor_parallel(minillm.ModelConfig(), world)
+    options = {"kv_cache_memory": 64 << 20, **(engine_options or {})}
+    return run_ranks(tensor_parallel_engine_rank, world, [list(p) for p in prompts], params, options, path, n,
+                     timeout_s=timeout_s)

@@ -7,9 +7,13 @@ same pass (the all-reduces inside it need every rank), and wait again. They neve
 anything. STOP ends them.
 
     LeaderRunner(model, max_len)   rank 0's kv-stage runner: announces every prefill and decode
+    leader_engine(model, tok, ...) rank 0's serving engine (scheduler, paged pool): announces every step
     follow(model)                  every other rank: run what rank 0 announces until it says STOP
 
-An order is a header (op, number of token ids, max_len) and then the token ids, two broadcasts from rank 0.
+An order is a header (op, number of ints, an extra int) and then the ints, two broadcasts from rank 0:
+a prompt's token ids, a sampled token, or an engine step packed whole (token ids, positions, the block
+tables, which rows need logits, and the copy-on-write copies the scheduler made since the last step, which
+every rank must make in its own pool too).
 If rank 0 fails, the followers' next broadcast times out (the process group's timeout), so nothing hangs.
 """
 from __future__ import annotations
@@ -17,9 +21,11 @@ from __future__ import annotations
 import torch
 import torch.distributed as dist
 
+from ..engine.runner import ModelRunner
+from ..kv import BlockPool
 from ..runners import KVCacheRunner
 
-STOP, PREFILL, DECODE = 0, 1, 2
+STOP, PREFILL, DECODE, ENGINE, STEP = 0, 1, 2, 3, 4
 
 
 def announce(op: int, ids: list[int] = (), max_len: int = 0) -> None:
@@ -27,6 +33,34 @@ def announce(op: int, ids: list[int] = (), max_len: int = 0) -> None:
     dist.broadcast(torch.tensor([op, len(ids), max_len], dtype=torch.int64), 0)
     if len(ids):
         dist.broadcast(torch.tensor(ids, dtype=torch.int64), 0)
+
+
+def pack_step(ids, positions, tables, q_lens, k_lens, logit_rows, n_layers, copies) -> list[int]:
+    """One engine step as a flat list of ints (unpack_step reverses it)."""
+    counts = [len(ids), len(tables), len(logit_rows), len(copies), -1 if n_layers is None else n_layers]
+    return (counts + list(ids) + list(positions) + list(q_lens) + list(k_lens) + list(logit_rows)
+            + [len(t) for t in tables] + [b for t in tables for b in t] + [x for c in copies for x in c])
+
+
+def unpack_step(flat: list[int]) -> tuple:
+    n, r, m, c, n_layers = flat[:5]
+    at = 5
+
+    def take(k):
+        nonlocal at
+        at += k
+        return flat[at - k:at]
+    ids, positions, q_lens, k_lens, logit_rows, widths = take(n), take(n), take(r), take(r), take(m), take(r)
+    tables = [take(w) for w in widths]
+    copies = [tuple(take(3)) for _ in range(c)]
+    return ids, positions, tables, q_lens, k_lens, logit_rows, (None if n_layers < 0 else n_layers), copies
+
+
+def copy_blocks(pool, copies) -> None:
+    """Make the copy-on-write copies the leader's pool made: the first `tokens` slots of block a into b."""
+    for a, b, tokens in copies:
+        pool.k[:, b, :tokens] = pool.k[:, a, :tokens]
+        pool.v[:, b, :tokens] = pool.v[:, a, :tokens]
 
 
 class LeaderRunner(KVCacheRunner):
@@ -47,6 +81,31 @@ class LeaderRunner(KVCacheRunner):
         announce(STOP)
 
 
+class LeaderModelRunner(ModelRunner):
+    """The engine's runner on rank 0 of a tensor-parallel model: each step is announced first."""
+
+    def forward_tables(self, ids, positions, tables, q_lens, k_lens, logit_rows, n_layers=None) -> torch.Tensor:
+        copies, self.pool.copy_log[:] = list(self.pool.copy_log), []
+        announce(STEP, pack_step(ids, positions, tables, q_lens, k_lens, logit_rows, n_layers, copies))
+        return super().forward_tables(ids, positions, tables, q_lens, k_lens, logit_rows, n_layers)
+
+
+def leader_engine(model, tokenizer, **options):
+    """Rank 0's LLMEngine for a tensor-parallel model: it schedules, samples and detokenizes alone; every
+    step's forward pass is announced to the other ranks, whose pools (same blocks, their heads) follow."""
+    from ..engine import LLMEngine
+
+    if options.get("kv_cache_dtype") not in (None, "model") or getattr(model, "kv_cache_dtype", None):
+        raise ValueError("a tensor-parallel engine keeps its KV cache in the model's dtype; drop kv_cache_dtype")
+    engine = LLMEngine(model, tokenizer, attention="torch", **options)
+    engine.runner = LeaderModelRunner(model, engine.pool, "torch")
+    if engine.speculator is not None:
+        engine.speculator.runner = engine.runner
+    engine.pool.copy_log = []
+    announce(ENGINE, [engine.pool.num_blocks, engine.pool.block_size])
+    return engine
+
+
 def follow(model) -> int:
     """Every rank but 0: run the passes rank 0 announces, on this rank's shard; return how many ran."""
     runner, passes = None, 0
@@ -61,8 +120,17 @@ def follow(model) -> int:
         if op == PREFILL:
             runner = KVCacheRunner(model, max_len)                  # a fresh cache for a new prompt
             runner.prefill_batch([ids.tolist()])
-        elif op == DECODE and runner is not None:
+        elif op == DECODE and isinstance(runner, KVCacheRunner):
             runner.decode_batch(ids.tolist())
+        elif op == ENGINE:                                          # an engine: a pool like rank 0's
+            num_blocks, block_size = ids.tolist()
+            runner = ModelRunner(model, BlockPool(model.cfg, num_blocks, block_size, model.dtype, model.device),
+                                 "torch")
+        elif op == STEP and isinstance(runner, ModelRunner):
+            *step, copies = unpack_step(ids.tolist())
+            copy_blocks(runner.pool, copies)
+            with torch.inference_mode():
+                runner.forward_tables(*step)
         else:
             raise RuntimeError(f"rank {dist.get_rank()}: order {op} makes no sense here (no prompt yet?)")
-        passes += 1
+        passes += op != ENGINE

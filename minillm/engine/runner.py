@@ -80,8 +80,12 @@ class ModelRunner:
 
     def forward(self, ids, positions, reqs, q_lens, k_lens, logit_rows, n_layers=None) -> torch.Tensor:
         """ids/positions (N,) packed by request; q_lens[i] tokens of reqs[i] end at key k_lens[i]."""
-        dev, bs = self.model.device, self.pool.block_size
         tables = [self.pool.tables[r.request_id] for r in reqs]
+        return self.forward_tables(ids, positions, tables, q_lens, k_lens, logit_rows, n_layers)
+
+    def forward_tables(self, ids, positions, tables, q_lens, k_lens, logit_rows, n_layers=None) -> torch.Tensor:
+        """forward with the requests' block tables given (a tensor-parallel follower has no requests)."""
+        dev, bs = self.model.device, self.pool.block_size
         slots = [table[p // bs] * bs + p % bs
                  for table, q, k in zip(tables, q_lens, k_lens) for p in range(k - q, k)]
         attn_fn = self._attention_fn(q_lens, k_lens, tables)

@@ -50,6 +50,7 @@ class BlockPool:
         self.refcount = [0] * num_blocks
         self.tables: dict[int, list[int]] = {}   # sequence id -> physical block ids
         self.lengths: dict[int, int] = {}        # sequence id -> tokens stored
+        self.copy_log: list[tuple[int, int, int]] | None = None   # a list: (from, to, tokens) of each copy-on-write
 
     # ------------------------------------------------------------ queries
     @property
@@ -109,6 +110,8 @@ class BlockPool:
         table, length, bs = self.tables[seq], self.lengths[seq], self.block_size
         if n > 0 and length % bs and self.refcount[table[-1]] > 1:   # copy-on-write
             old, new = table[-1], self._take()
+            if self.copy_log is not None:                           # for pools that must copy too
+                self.copy_log.append((old, new, length % bs))
             if self.k is not None:
                 self.k[:, new, : length % bs] = self.k[:, old, : length % bs]
                 self.v[:, new, : length % bs] = self.v[:, old, : length % bs]
