@@ -135,13 +135,18 @@ def _decode_worker(engine, prompts, params, overlap, t0) -> dict:
             if i is not None:
                 transfers[i] = _receive(engine, prompts, i, params, t0)
                 continue
-        start = time.perf_counter() - t0
-        for o in engine.step():
-            if o.finished:
-                outputs[o.request_id] = o
-        stats = engine.stats()
-        steps.append((start, time.perf_counter() - t0, stats["tokens_last_step"], stats["running"]))
+        _timed_step(engine, t0, outputs, steps)
     return {"requests": [_result(outputs[i]) | transfers[i] for i in range(len(prompts))], "steps": steps}
+
+
+def _timed_step(engine, t0, outputs: dict, steps: list) -> None:
+    """One engine step: finished requests into outputs, (start, end, tokens, running) onto steps."""
+    start = time.perf_counter() - t0
+    for o in engine.step():
+        if o.finished:
+            outputs[o.request_id] = o
+    stats = engine.stats()
+    steps.append((start, time.perf_counter() - t0, stats["tokens_last_step"], stats["running"]))
 
 
 def _result(o) -> dict:
@@ -202,12 +207,7 @@ def colocated_run(prompts: list[list[int]], params, engine_options: dict | None 
             engine.add_request(i, prompt, params, arrival_time=t0)
         outputs, steps = {}, []
         while engine.has_unfinished_requests():
-            start = time.perf_counter() - t0
-            for o in engine.step():
-                if o.finished:
-                    outputs[o.request_id] = o
-            stats = engine.stats()
-            steps.append((start, time.perf_counter() - t0, stats["tokens_last_step"], stats["running"]))
+            _timed_step(engine, t0, outputs, steps)
     finally:
         torch.set_num_threads(before)
     return {"requests": [_result(outputs[i]) for i in range(len(prompts))], "steps": steps}
