@@ -93,7 +93,9 @@ def build_parser() -> argparse.ArgumentParser:
     _add_speculative_args(g)
     g.add_argument("--tensor-parallel", type=int, default=None, metavar="N",
                    help="split the model across N processes of this machine (torch.distributed, gloo; the kv "
-                        "stage, float32); N must divide the heads: 1 or 3 for SmolLM2. Prints the answer at the end")
+                        "stage, or the engine with --stage continuous; float32); N must divide the heads: 1 or 3 "
+                        "for SmolLM2. Spawns the ranks itself, or is one of them under torchrun --nproc-per-node N. "
+                        "Prints the answer at the end")
 
     c = sub.add_parser("chat", help="chat in the terminal (/reset clears, /exit or Ctrl-D quits)")
     c.add_argument("--system", default=None, help="a system message")
