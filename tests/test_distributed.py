@@ -54,6 +54,14 @@ def test_the_engine_split_across_ranks_gives_the_single_engines_outputs(model, t
     assert [o["token_ids"] for o in out] == [single[k] for k in ("0", "0/1", "1", "1/1")]
 
 
+def test_an_engine_step_survives_packing_for_the_followers():
+    from minillm.distributed.leader import pack_step, unpack_step
+
+    step = ([5, 6, 7, 8], [0, 1, 2, 9], [[3, 1], [0, 4, 2]], [3, 1], [3, 10], [2, 3], None, [(4, 7, 5)])
+    assert unpack_step(pack_step(*step)) == step
+    assert unpack_step(pack_step(*step[:6], 24, []))[6:] == (24, [])
+
+
 def test_what_a_token_sends_is_counted_against_the_weights_it_reads(model):
     from minillm.distributed.tensor_parallel import communication_bytes
     from minillm.roofline import weight_bytes

@@ -1,7 +1,8 @@
 """Who does what in a tensor-parallel run: rank 0 leads, the other ranks follow.
 
-Rank 0 owns the tokenizer, the sampling and the output. Before each forward pass it broadcasts what to
-run (a prompt to prefill, or the token just sampled to decode) and then runs its own share of that pass.
+Rank 0 owns the tokenizer, the scheduler (when it runs the engine), the sampling and the output. Before
+each forward pass it broadcasts what to run (a prompt to prefill, the token just sampled to decode, or an
+engine step) and then runs its own share of that pass.
 The other ranks hold only their share of the weights and of the KV cache: they wait for an order, run the
 same pass (the all-reduces inside it need every rank), and wait again. They never see text or sample
 anything. STOP ends them.
@@ -43,6 +44,7 @@ def pack_step(ids, positions, tables, q_lens, k_lens, logit_rows, n_layers, copi
 
 
 def unpack_step(flat: list[int]) -> tuple:
+    """pack_step's list -> (ids, positions, tables, q_lens, k_lens, logit_rows, n_layers, copies)."""
     n, r, m, c, n_layers = flat[:5]
     at = 5
 
@@ -75,10 +77,6 @@ class LeaderRunner(KVCacheRunner):
     def decode_batch(self, tokens: list[int]) -> torch.Tensor:
         announce(DECODE, tokens)
         return super().decode_batch(tokens)
-
-    def stop(self) -> None:
-        """Release the followers (they return from follow)."""
-        announce(STOP)
 
 
 class LeaderModelRunner(ModelRunner):
