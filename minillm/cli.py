@@ -256,14 +256,14 @@ def _generate_tensor_parallel(args, params) -> None:
     if torchrun and int(os.environ.get("RANK", 0)) != 0:             # a follower: no tokenizer, no output
         rank, world = launch.init_from_env()
         rank_fn(rank, world, None, params, *extra, args.model)
-        launch.dist.destroy_process_group()
+        launch.leave()
         return
     tok = load_tokenizer(args.model)
     ids = tok.apply_chat_template([{"role": "user", "content": args.prompt}]) if args.chat else tok.encode(args.prompt)
     check_prompt(ids, ModelConfig().max_seq_len)
     if torchrun:
         out = rank_fn(*launch.init_from_env(), [ids] if engine else ids, params, *extra, args.model)
-        launch.dist.destroy_process_group()
+        launch.leave()
     elif engine:
         out = launch.tensor_parallel_engine_generate([ids], params, args.tensor_parallel, *extra, path=args.model)
     else:

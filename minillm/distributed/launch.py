@@ -40,6 +40,7 @@ def _rank_main(rank, world, port, timeout_s, fn, args, results):
     try:
         init_rank(rank, world, port, timeout_s)
         out = fn(rank, world, *args)
+        leave()
         results.put(("ok", rank, out if rank == 0 else None))
     except BaseException as e:   # noqa: BLE001 - reported to the parent, which ends every rank
         results.put(("error", rank, f"{type(e).__name__}: {str(e).splitlines()[0] if str(e) else ''}"))
@@ -88,6 +89,13 @@ def run_ranks(fn, world: int, *args, timeout_s: float = 120.0, join_timeout_s: f
             if p.is_alive():
                 p.terminate()
                 p.join(timeout=5)
+
+
+def leave() -> None:
+    """End this rank's part in the job: wait until every rank is done, then close the connections. A rank
+    that closed while a partner still had the group open would break that partner's connections under it."""
+    dist.barrier()
+    dist.destroy_process_group()
 
 
 def init_from_env(timeout_s: float = 300.0) -> tuple[int, int]:
