@@ -27,7 +27,7 @@ def test_sizes_that_do_not_divide_are_refused_with_the_ones_that_do():
 def test_tensor_parallel_gives_the_kv_stages_tokens(model, tokenizer, world):
     ids = tokenizer.encode("The capital of France is")
     params = SamplingParams(max_tokens=12)
-    out = tensor_parallel_generate(ids, params, world, timeout_s=240)
+    out = tensor_parallel_generate(ids, params, world, with_logits=True, timeout_s=240)
     assert out["token_ids"] == generate(model, tokenizer, ids, params, stage="kv").token_ids
     with torch.inference_mode():
         ref = model(torch.tensor([ids]))[0, -1]                          # (vocab,)

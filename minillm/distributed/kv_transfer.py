@@ -17,7 +17,7 @@ import time
 import torch
 import torch.distributed as dist
 
-from ..kv import BlockPool
+from ..kv import BlockPool, kv_cache_bytes
 
 
 class TransferFailed(RuntimeError):
@@ -106,6 +106,5 @@ def transfer_costs(rank: int, world: int, lengths: list[int], repeats: int = 5) 
                 dist.send(torch.zeros(1), 0)
             pool.free_seq(0)
         if rank == 0:
-            out[n] = {"bytes": 2 * cfg.n_layers * -(-n // 16) * 16 * cfg.n_kv_heads * cfg.head_dim * 4,
-                      "seconds": statistics.median(times)}
+            out[n] = {"bytes": kv_cache_bytes(cfg, -(-n // 16) * 16), "seconds": statistics.median(times)}
     return out if rank == 0 else None

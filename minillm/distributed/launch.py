@@ -104,58 +104,68 @@ def init_from_env(timeout_s: float = 300.0) -> tuple[int, int]:
     return dist.get_rank(), dist.get_world_size()
 
 
-def tensor_parallel_rank(rank, world, prompt_ids, params, path=None):
-    """One rank of a tensor-parallel generation. Rank 0 tokens in, result out: {"token_ids", "text",
-    "prompt_logits", "decode_tokens_per_s"}; the others only follow (None).
-    Started by run_ranks (one command) or by torchrun (init_from_env first)."""
+def _leader_model(rank, world, path):
+    """This rank's shard of the model. On rank 0 return it; on the others run what rank 0 announces until
+    it says stop, and return None."""
     import torch
 
     import minillm
-    from minillm.generate import generate
 
-    from .leader import STOP, LeaderRunner, announce, follow
+    from .leader import follow
     from .tensor_parallel import shard_model
 
     torch.set_num_threads(1)
     model = shard_model(minillm.load_model(path), rank, world)
-    if rank != 0:
-        follow(model)
+    if rank == 0:
+        return model
+    follow(model)
+    return None
+
+
+def tensor_parallel_rank(rank, world, prompt_ids, params, path=None, with_logits=False):
+    """One rank of a tensor-parallel generation. Rank 0 tokens in, result out: {"token_ids", "text",
+    "decode_tokens_per_s"} and, with_logits, "prompt_logits" (one more pass over the prompt); the others
+    only follow (None). Started by run_ranks (one command) or by torchrun (init_from_env first)."""
+    import minillm
+    from minillm.generate import generate
+
+    from .leader import STOP, LeaderRunner, announce
+
+    model = _leader_model(rank, world, path)
+    if model is None:
         return None
     tok = minillm.load_tokenizer(path)
     max_len = min(len(prompt_ids) + params.max_tokens, model.cfg.max_seq_len)
-    logits = LeaderRunner(model, max_len).prefill(prompt_ids)       # (vocab,) the last prompt token's
     out = generate(model, tok, prompt_ids, params, stage="kv", runner=LeaderRunner(model, max_len))
+    result = {"token_ids": out.token_ids, "text": out.text, "decode_tokens_per_s": out.decode_tokens_per_s}
+    if with_logits:                                                 # (vocab,) the last prompt token's, by value
+        result["prompt_logits"] = LeaderRunner(model, max_len).prefill(prompt_ids).numpy()
     announce(STOP)
-    return {"token_ids": out.token_ids, "text": out.text, "prompt_logits": logits.numpy(),   # by value, not shared
-            "decode_tokens_per_s": out.decode_tokens_per_s}
+    return result
 
 
-def tensor_parallel_generate(prompt_ids: list[int], params, world: int, path=None, timeout_s: float = 300.0) -> dict:
+def tensor_parallel_generate(prompt_ids: list[int], params, world: int, path=None, with_logits: bool = False,
+                             timeout_s: float = 300.0) -> dict:
     """Greedy or sampled generation (the kv stage) with the model split across `world` ranks of this
-    machine; rank 0's {"token_ids", "text", "prompt_logits", "decode_tokens_per_s"}. Rank 0 tokenizes,
-    samples and decodes text; the other ranks run only their share of each forward pass."""
+    machine; rank 0's {"token_ids", "text", "decode_tokens_per_s"} (+ "prompt_logits", with_logits).
+    Rank 0 tokenizes, samples and decodes text; the other ranks run only their share of each forward pass."""
     import minillm
 
     from .tensor_parallel import check_tensor_parallel
 
     check_tensor_parallel(minillm.ModelConfig(), world)
-    return run_ranks(tensor_parallel_rank, world, list(prompt_ids), params, path, timeout_s=timeout_s)
+    return run_ranks(tensor_parallel_rank, world, list(prompt_ids), params, path, with_logits, timeout_s=timeout_s)
 
 
 def tensor_parallel_engine_rank(rank, world, prompts, params, engine_options, path=None, n=1):
     """One rank of a tensor-parallel serving engine. Rank 0 schedules, samples and detokenizes: a list of
     {"token_ids", "text", "finish_reason"} per prompt (n per prompt), in order; the others only follow."""
-    import torch
-
     import minillm
 
-    from .leader import STOP, announce, follow, leader_engine
-    from .tensor_parallel import shard_model
+    from .leader import STOP, announce, leader_engine
 
-    torch.set_num_threads(1)
-    model = shard_model(minillm.load_model(path), rank, world)
-    if rank != 0:
-        follow(model)
+    model = _leader_model(rank, world, path)
+    if model is None:
         return None
     engine = leader_engine(model, minillm.load_tokenizer(path), verbose=False, **engine_options)
     for i, prompt in enumerate(prompts):
