@@ -20,10 +20,11 @@ from .metrics import median_time
 
 
 def weight_bytes(model) -> int:
-    """Bytes of every parameter and buffer the model holds (quantized codes and scales included),
-    each tensor counted once."""
+    """Bytes of the model's weights as it holds them: every parameter and saved buffer (quantized codes
+    and scales included), each tensor counted once. A copy that a CPU kernel keeps in its own layout
+    (`Q4Linear`'s repacked codes: the same weights again) is not saved, and not counted."""
     seen, total = set(), 0
-    for t in list(model.parameters()) + list(model.buffers()):
+    for t in model.state_dict(keep_vars=True).values():
         if t.data_ptr() not in seen:
             seen.add(t.data_ptr())
             total += t.numel() * t.element_size()

@@ -20,7 +20,7 @@ def check_int8_rows(fn) -> bool:
             if not isinstance(got, tuple) or len(got) != 2:
                 return "return a tuple (q, scale)"
             q, scale = got
-            ref = Int8Linear.from_float(w)
+            ref = Int8Linear.from_float(w, kernel=False)
             if not isinstance(q, torch.Tensor) or q.dtype != torch.int8 or q.shape != w.shape:
                 return f"q must be an int8 tensor of shape {tuple(w.shape)}, got {getattr(q, 'dtype', type(q))} " \
                        f"{tuple(getattr(q, 'shape', ()))}"

@@ -3,19 +3,27 @@
 Each format stores fewer bytes per weight and multiplies with the fastest kernel PyTorch has for it
 on this device, chosen by measurement (`benchmarks/quantization.py`; the numbers are in notebook 12):
 
-    Int8Linear   int8 weights, one scale per output row (weight-only). Few rows: `_weight_int8pack_mm`;
-                 many rows: the weight is dequantized to bfloat16 for one bfloat16 matmul.
+    Int8Linear   int8 weights, one scale per output row (weight-only): `_weight_int8pack_mm`.
     W8A8Linear   int8 weights *and* int8 activations, one scale per token: fbgemm's integer matmul
                  (`quantized::linear_dynamic`), the fastest CPU kernel at every row count measured.
-    Q4Linear     4 bits per weight in groups of 32 with a scale and a minimum (llama.cpp's Q4_1).
-                 Few rows: `_weight_int4pack_mm_for_cpu`; many rows: dequantized to bfloat16 in the
-                 kernel's own layout and multiplied in bfloat16 (slower than float32 below ~256 rows:
-                 there is no fast batched 4-bit kernel on the CPU in PyTorch).
+    Q4Linear     4 bits per weight in groups of 32 with a scale and a minimum (llama.cpp's Q4_1):
+                 `_weight_int4pack_mm_for_cpu`.
 
-Activations enter the weight-only kernels in bfloat16, the one dtype those kernels are fast in on the
-CPU (float32 and float16 activations are 10-40x slower there); the kernels accumulate in float32 and
-the output goes back to the input's dtype. So a float32 model with quantized weights keeps its norms,
-attention and KV cache in float32: mixed precision.
+The weight-only kernels are fast for a few rows (a decode step). For many rows (a prompt) the choice
+depends on the CPU: where it multiplies bfloat16 matrices in hardware (AVX512-BF16 or AMX) the weight is
+dequantized to bfloat16 for one bfloat16 matmul; elsewhere (AVX2, ARM) a bfloat16 matmul is slower than
+the kernel, which then runs at every row count. `many_rows` on each layer says which, and can be set.
+
+Activations enter the weight-only kernels in bfloat16 (float32 and float16 activations are 10-40x slower
+there); the kernels accumulate in float32 and the output goes back to the input's dtype. So a float32
+model with quantized weights keeps its norms, attention and KV cache in float32: mixed precision.
+
+Each layer keeps its format's own codes and scales: they are the weight (`dequantize()`), whatever a
+kernel does. A kernel may want them repacked first (`_convert_weight_to_int4pack_for_cpu`), into a layout
+that is private to ATen and differs by CPU capability (AVX-512, AVX2, default): that copy is the kernel's,
+and nothing else reads it. When a layer is built, its kernel multiplies a probe (a row of ones, the
+worst case for overflow, and a random row) and is checked against the weight; a kernel that disagrees on
+this machine is not used (a warning says so) and the layer dequantizes instead.
 
 Why these ops and not a library: `torchao` ships its CPU kernels compiled against one torch release
 and loads none of them with torch 2.13; `torch.ao.quantization` is deprecated in favour of torchao,
@@ -29,7 +37,6 @@ from __future__ import annotations
 
 import warnings
 from functools import lru_cache
-from pathlib import Path
 
 import torch
 import torch.nn.functional as F
@@ -37,54 +44,101 @@ from torch import nn
 
 from .gguf_blocks import GROUP, Q4Weight
 
-SMALL_ROWS = 16   # up to this many rows the weight-only kernels beat dequantize + bfloat16 matmul
+SMALL_ROWS = 16       # up to this many rows the weight-only kernels beat dequantize + bfloat16 matmul
+PROBE_TOLERANCE = 0.05   # a kernel this far from its weight on the probe is wrong (right ones: < 0.02)
 
 
 @lru_cache(maxsize=1)
 def cpu_has_vnni() -> bool:
-    """Whether the CPU says it has VNNI (8-bit dot products into 32 bits); read on Linux only."""
-    try:
-        flags = Path("/proc/cpuinfo").read_text()
-    except OSError:
-        return False
-    return "avx512_vnni" in flags or "avx_vnni" in flags
+    """Whether fbgemm's 8-bit kernels can use VNNI (8-bit dot products into 32 bits): AVX512-VNNI.
+    fbgemm has no path for the 256-bit AVX-VNNI of recent laptop CPUs; there it adds pairs of 8-bit
+    products in 16 bits, as on any AVX2 CPU."""
+    return bool(torch.cpu.get_capabilities().get("avx512_vnni"))
+
+
+@lru_cache(maxsize=1)
+def cpu_has_fast_bf16() -> bool:
+    """Whether this CPU multiplies bfloat16 matrices in hardware (AVX512-BF16 or AMX). Without either,
+    oneDNN widens bfloat16 to float32 on the way and a bfloat16 matmul is slower than a float32 one."""
+    caps = torch.cpu.get_capabilities()
+    return bool(caps.get("avx512_bf16") or caps.get("amx_bf16"))
+
+
+def default_many_rows() -> str:
+    """How weight-only layers multiply more than SMALL_ROWS rows on this CPU: "dequantize" (to bfloat16,
+    then one bfloat16 matmul) where bfloat16 matmuls are fast, else "kernel" (the weight-only kernel)."""
+    return "dequantize" if cpu_has_fast_bf16() else "kernel"
 
 
 def _rows(x: torch.Tensor) -> torch.Tensor:
     return x.reshape(-1, x.shape[-1])   # (..., in) -> (rows, in)
 
 
+def kernel_agrees(kernel, weight: torch.Tensor, name: str, warn: bool = True) -> bool:
+    """Whether kernel(x) (rows, in) -> (rows, out) equals x @ weight^T on a probe: a row of ones (every
+    product at its largest, where 16-bit sums overflow) and a random row. Warns and says False if not."""
+    n = weight.shape[1]
+    probe = torch.cat([torch.ones(1, n), torch.randn(1, n, generator=torch.Generator().manual_seed(0))])
+    ref = F.linear(probe, weight.float())                                   # (2, out)
+    try:
+        err = ((kernel(probe).float() - ref).norm(dim=1) / ref.norm(dim=1).clamp_min(1e-12)).max().item()
+    except (RuntimeError, NotImplementedError) as e:
+        err, why = float("inf"), f"it fails ({e})"
+    else:
+        why = f"its result is {err:.2f} (relative) from the weight's"
+    if err <= PROBE_TOLERANCE:
+        return True
+    if warn:
+        warnings.warn(f"{name}: {why} on this CPU ({torch.backends.cpu.get_cpu_capability()}); "
+                      "not using it (dequantize + matmul instead: correct, slower)", RuntimeWarning, stacklevel=3)
+    return False
+
+
 class Int8Linear(nn.Module):
     """Weight-only int8: W ~= q * scale, q int8 (out, in), scale (out,) per output row."""
 
-    def __init__(self, q: torch.Tensor, scale: torch.Tensor):
+    def __init__(self, q: torch.Tensor, scale: torch.Tensor, kernel: bool = True):
+        """kernel=False: hold the codes only (W8A8Linear's weight), no CPU kernel set up or probed."""
         super().__init__()
         self.register_buffer("q", q)                                # (out, in) int8
         self.register_buffer("scale", scale.float())                # (out,)
         self.register_buffer("scale_bf16", scale.bfloat16())        # what the kernel reads
         self.in_features, self.out_features = q.shape[1], q.shape[0]
+        self.many_rows = default_many_rows()
+        self.cpu_kernel = kernel and q.device.type == "cpu" and kernel_agrees(self._kernel, self.dequantize(),
+                                                                             "_weight_int8pack_mm")
 
     @classmethod
-    def from_float(cls, w: torch.Tensor) -> "Int8Linear":
+    def from_float(cls, w: torch.Tensor, kernel: bool = True) -> "Int8Linear":
         w = w.float()
         absmax = torch.maximum(w.amax(dim=1), -w.amin(dim=1))              # (out,) the row's largest |w|,
         scale = absmax.clamp_min(1e-12) / 127                              # without a temporary copy of w
         q = (w / scale[:, None]).round_().clamp_(-127, 127).to(torch.int8)  # one float temporary: the head is 113 MB
-        return cls(q, scale)
+        return cls(q, scale, kernel)
 
     def dequantize(self, dtype=torch.float32) -> torch.Tensor:
         return (self.q.to(dtype) * self.scale[:, None].to(dtype))       # (out, in)
+
+    def _kernel(self, x2: torch.Tensor) -> torch.Tensor:
+        return torch._weight_int8pack_mm(x2.bfloat16(), self.q, self.scale_bf16)   # (rows, out)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         if x.is_cuda:                                                   # Triton: dequantize in registers
             from .triton_matmul import int8_matmul
             return int8_matmul(x, self.q, self.scale)
-        x2 = _rows(x).bfloat16()                                        # (rows, in)
-        if x.device.type == "cpu" and x2.shape[0] <= SMALL_ROWS:
-            y = torch._weight_int8pack_mm(x2, self.q, self.scale_bf16)  # (rows, out)
+        x2 = _rows(x)                                                   # (rows, in)
+        if self.cpu_kernel and x.device.type == "cpu" and (x2.shape[0] <= SMALL_ROWS or self.many_rows == "kernel"):
+            y = self._kernel(x2)
         else:
-            y = F.linear(x2, self.dequantize(torch.bfloat16))
+            y = _dequantized_matmul(x2, self.dequantize)
         return y.to(x.dtype).view(*x.shape[:-1], self.out_features)
+
+
+def _dequantized_matmul(x2: torch.Tensor, dequantize) -> torch.Tensor:
+    """x2 (rows, in) @ W^T with W dequantized: in bfloat16 where this CPU is fast at it (or off the CPU),
+    else in float32."""
+    dtype = torch.float32 if x2.device.type == "cpu" and not cpu_has_fast_bf16() else torch.bfloat16
+    return F.linear(x2.to(dtype), dequantize(dtype))
 
 
 class W8A8Linear(nn.Module):
@@ -97,10 +151,12 @@ class W8A8Linear(nn.Module):
     product is unchanged, but outlier channels move into the weight, which quantizes per row and minds
     them less.
 
-    reduce_range: activations in 7 bits instead of 8. x86 CPUs without VNNI instructions add pairs of
-    8-bit products in 16 bits, which can overflow with 8-bit activations; fbgemm's remedy is 7 bits,
-    which moves the model about 3x further (mean KL 0.06 instead of 0.02 on the held-out text). The
-    default: 8 bits where the CPU reports VNNI, 7 elsewhere.
+    reduce_range: activations in 7 bits instead of 8. x86 CPUs without AVX512-VNNI add pairs of 8-bit
+    products in 16 bits, which overflow with 8-bit activations (a row of ones comes out 12% wrong on an
+    AVX2 EPYC); fbgemm's remedy is 7 bits, which moves the model about 3x further (mean KL 0.06 instead
+    of 0.02 on the held-out text). The default: 8 bits where the CPU has AVX512-VNNI, 7 elsewhere; if
+    fbgemm then fails the probe (see the module's docstring), 7 bits, and if it fails again the same
+    arithmetic in floating point.
     """
 
     def __init__(self, w: torch.Tensor, smooth: torch.Tensor | None = None, reduce_range: bool | None = None):
@@ -113,7 +169,7 @@ class W8A8Linear(nn.Module):
             self.register_buffer("inv_smooth", (1.0 / smooth).float())
         else:
             self.inv_smooth = None
-        self.int8 = Int8Linear.from_float(w)                            # the stored weight, for dequantize()
+        self.int8 = Int8Linear.from_float(w, kernel=False)              # the stored weight, for dequantize()
         self.reduce_range = not cpu_has_vnni() if reduce_range is None else reduce_range
         pin = torch.zeros(1, self.in_features)
         pin[0, 0], pin[0, -1] = -1.0, 1.0
@@ -128,6 +184,20 @@ class W8A8Linear(nn.Module):
                     self.packed = torch.ops.quantized.linear_prepack(qw, None)
             except RuntimeError:                                        # no fbgemm here (e.g. an ARM Mac)
                 self.packed = None
+        if self.packed is not None:
+            self._check_kernel(auto=reduce_range is None)
+
+    def _check_kernel(self, auto: bool) -> None:
+        """Keep fbgemm only if it multiplies by the weight: at 8 bits, then (if the bits were ours to
+        choose) at 7; else the floating-point emulation."""
+        weight = self.int8.dequantize()                                 # (out, in), smoothed columns
+        retry = auto and not self.reduce_range
+        ok = kernel_agrees(self._fbgemm, weight, "quantized::linear_dynamic", warn=not retry)
+        if not ok and retry:
+            self.reduce_range = True
+            ok = kernel_agrees(self._fbgemm, weight, "quantized::linear_dynamic")
+        if not ok:
+            self.packed = None
 
     def dequantize(self, dtype=torch.float32) -> torch.Tensor:
         w = self.int8.dequantize(torch.float32)
@@ -135,19 +205,26 @@ class W8A8Linear(nn.Module):
             w = w * self.inv_smooth[None, :]
         return w.to(dtype)
 
+    def _fbgemm(self, x2: torch.Tensor) -> torch.Tensor:
+        """fbgemm on x2 (rows, in), already smoothed: each row divided by its own largest |x| first."""
+        tok = x2.abs().amax(dim=1, keepdim=True).clamp_min(1e-12)       # (rows, 1) per-token scale
+        if not self.per_token:
+            tok = tok.amax().expand_as(tok)                             # the largest over every token
+        # fbgemm picks its grid from the tensor's min and max; one extra row holding -1 and 1 pins it
+        # to [-1, 1] whatever the batch, so a token's result does not depend on its neighbours
+        xn = torch.cat([x2.float() / tok, self.pin], dim=0)                    # (rows + 1, in)
+        return torch.ops.quantized.linear_dynamic(xn, self.packed, self.reduce_range)[:-1] * tok
+
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         x2 = _rows(x).float()                                           # (rows, in)
         if self.inv_smooth is not None:
             x2 = x2 * self.inv_smooth
-        tok = x2.abs().amax(dim=1, keepdim=True).clamp_min(1e-12)       # (rows, 1) per-token scale
-        if not self.per_token:
-            tok = tok.amax().expand_as(tok)                             # the largest over every token
         if self.packed is not None and x.device.type == "cpu":
-            # fbgemm picks its grid from the tensor's min and max; one extra row holding -1 and 1 pins it
-            # to [-1, 1] whatever the batch, so a token's result does not depend on its neighbours
-            xn = torch.cat([x2 / tok, self.pin], dim=0)                       # (rows + 1, in)
-            y = torch.ops.quantized.linear_dynamic(xn, self.packed, self.reduce_range)[:-1] * tok
+            y = self._fbgemm(x2)
         else:   # the same arithmetic in floating point: round each token to 255 (127) levels, multiply
+            tok = x2.abs().amax(dim=1, keepdim=True).clamp_min(1e-12)   # (rows, 1) per-token scale
+            if not self.per_token:
+                tok = tok.amax().expand_as(tok)
             levels = 63 if self.reduce_range else 127
             xq = torch.round(x2 / tok * levels).clamp(-levels, levels) * (tok / levels)
             y = F.linear(xq, self.int8.dequantize(torch.float32))
@@ -157,67 +234,62 @@ class W8A8Linear(nn.Module):
 class Q4Linear(nn.Module):
     """4-bit weights in groups of 32 along a row: w = q * d + m, q in 0..15 (llama.cpp's Q4_1).
 
-    On the CPU the codes are kept in the layout `_weight_int4pack_mm_for_cpu` reads, which computes
-    w = (q - 8) * s + z per group, so s = d and z = m + 8 d, both in bfloat16. Elsewhere they stay
-    in the file's layout (`Q4Weight`).
+    `packed`, `scale` and `min` are the format's own codes and scales (`Q4Weight`: for q4_file, the
+    file's bytes): the weight. On a CPU the kernel `_weight_int4pack_mm_for_cpu` gets its own copy of the
+    codes, repacked by `_convert_weight_to_int4pack_for_cpu` into a layout that differs by CPU
+    capability, with a scale and a zero per group, w = (q - 8) s + z, so s = d and z = m + 8 d (both in
+    bfloat16). Only that kernel reads its copy; those buffers are not saved with the model.
     """
 
     def __init__(self, w4: Q4Weight, device: str | torch.device = "cpu"):
         super().__init__()
         out, n = w4.shape
         self.in_features, self.out_features = n, out
-        d, m = w4.scale.float(), w4.min.float()                                  # (out, in / 32)
+        for name in ("packed", "scale", "min"):                                  # the format, as stored
+            self.register_buffer(name, getattr(w4, name).to(device))
+        self.many_rows = default_many_rows()
         self.cpu_kernel = torch.device(device).type == "cpu" and out % 64 == 0   # the kernel packs 64 rows
         if self.cpu_kernel:
+            d, m = w4.scale.float(), w4.min.float()                              # (out, in / 32)
             codes = w4.codes().to(torch.int32)                                   # (out, in) 0..15
-            self.register_buffer("packed", torch._convert_weight_to_int4pack_for_cpu(codes, 1))
-            s, z = d, m + 8 * d                                                  # w = (q - 8) s + z
-            self.register_buffer("scale_zero", torch.stack([s, z], -1).transpose(0, 1).contiguous().bfloat16())
-            # d and m laid out like the packed codes, to dequantize many rows at once: w = q d + m
-            for name, t in (("d_blocked", d), ("m_blocked", m)):                 # (out/64, in/32, 1, 64)
-                t = t.view(out // 64, 64, n // GROUP).permute(0, 2, 1)[:, :, None, :]
-                self.register_buffer(name, t.contiguous().bfloat16())
-        else:
-            for name in ("packed", "scale", "min"):
-                self.register_buffer(name, getattr(w4, name).to(device))
+            self.register_buffer("kernel_packed", torch._convert_weight_to_int4pack_for_cpu(codes, 1),
+                                 persistent=False)
+            s_z = torch.stack([d, m + 8 * d], -1).transpose(0, 1).contiguous().bfloat16()   # (in / 32, out, 2)
+            self.register_buffer("kernel_scale_zero", s_z, persistent=False)
+            self.cpu_kernel = kernel_agrees(self._kernel, w4.dequantize(), "_weight_int4pack_mm_for_cpu")
 
     @classmethod
     def from_float(cls, w: torch.Tensor, device="cpu") -> "Q4Linear":
         """Quantize like llama.cpp's Q4_1: per group of 32, m = min, d = (max - min) / 15."""
         return cls(quantize_q4_1(w), device)
 
+    def weight4(self) -> Q4Weight:
+        return Q4Weight(self.packed, self.scale, self.min)
+
     def codes(self) -> torch.Tensor:
-        """(out, in) uint8 codes 0..15, unpacked from the kernel's layout: (out/64, in, 32) bytes,
-        the low nibble row r of each group of 64 rows, the high nibble row r + 32."""
-        if not self.cpu_kernel:
-            return Q4Weight(self.packed, self.scale, self.min).codes()
-        b = self.packed.view(self.out_features // 64, self.in_features, 32)
-        return torch.cat([b & 0x0F, b >> 4], dim=-1).transpose(1, 2).reshape(self.out_features, self.in_features)
+        """(out, in) uint8 codes 0..15, in weight order."""
+        return self.weight4().codes()
 
     def dequantize(self, dtype=torch.float32) -> torch.Tensor:
-        """(out, in): the weight this layer multiplies by (scale and zero as the kernel stores them)."""
-        if not self.cpu_kernel:
-            return Q4Weight(self.packed, self.scale, self.min).dequantize().to(dtype)
+        """(out, in): q * d + m. In float32 exactly the format's values (for q4_file, llama.cpp's)."""
+        if dtype == torch.float32:
+            return self.weight4().dequantize()
         out, n = self.out_features, self.in_features
-        s, z = self.scale_zero.to(dtype).transpose(0, 1).unbind(-1)              # (out, in / 32) each
-        q = self.codes().view(out, n // GROUP, GROUP).to(dtype)
-        return ((q - 8) * s[..., None] + z[..., None]).view(out, n)
+        q = self.codes().view(out, n // GROUP, GROUP).to(dtype)                  # (out, in / 32, 32)
+        return (q * self.scale.to(dtype)[..., None] + self.min.to(dtype)[..., None]).view(out, n)
+
+    def _kernel(self, x2: torch.Tensor) -> torch.Tensor:
+        return torch._weight_int4pack_mm_for_cpu(x2.bfloat16(), self.kernel_packed, GROUP, self.kernel_scale_zero)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        if x.is_cuda and not self.cpu_kernel:                                    # Triton, the file's layout
+        if x.is_cuda:                                                            # Triton, the file's layout
             from .triton_matmul import q4_matmul
             return q4_matmul(x, self.packed, self.scale, self.min)
-        x2 = _rows(x).bfloat16()                                                 # (rows, in)
-        if not self.cpu_kernel:
-            y = F.linear(x2, self.dequantize(torch.bfloat16))
-        elif x2.shape[0] <= SMALL_ROWS:
-            y = torch._weight_int4pack_mm_for_cpu(x2, self.packed, GROUP, self.scale_zero)
-        else:   # dequantize in the packed layout (no transpose), then one batched bfloat16 matmul
-            out, n = self.out_features, self.in_features
-            b = self.packed.view(out // 64, n, 32)
-            q = torch.cat([b & 0x0F, b >> 4], -1).view(out // 64, n // GROUP, GROUP, 64).bfloat16()
-            w = torch.addcmul(self.m_blocked, q, self.d_blocked).view(out // 64, n, 64)   # (out/64, in, 64)
-            y = torch.matmul(x2, w).transpose(0, 1).reshape(-1, out)             # (out/64, rows, 64) -> (rows, out)
+        x2 = _rows(x)                                                            # (rows, in)
+        if self.cpu_kernel and x.device.type == "cpu" and (x2.shape[0] <= SMALL_ROWS or self.many_rows == "kernel"):
+            y = self._kernel(x2)                                                 # (rows, out)
+        else:
+            y = _dequantized_matmul(x2, self.dequantize)
         return y.to(x.dtype).view(*x.shape[:-1], self.out_features)
 
 
