@@ -40,6 +40,20 @@ def model():
     return minillm.load_model()
 
 
+class _QuantizedModels(dict):
+    def __missing__(self, fmt):
+        import minillm
+
+        self[fmt] = minillm.load_model(quant=fmt)
+        return self[fmt]
+
+
+@pytest.fixture(scope="session")
+def quantized():
+    """The course model in each quantized format, loaded when a test first asks: quantized["q4_file"]."""
+    return _QuantizedModels()
+
+
 @pytest.fixture(scope="session")
 def tokenizer():
     import minillm

@@ -16,8 +16,16 @@ from pathlib import Path
 import torch
 
 from ..kv import KVCache
+from .linear import cpu_has_vnni
 
 HELDOUT = Path(__file__).resolve().parents[2] / "data" / "heldout.txt"
+
+# How far each format may move from float32: mean KL on the held-out text. Measured (first 256 tokens):
+# bfloat16 0.001, int8 0.006, w8a8 0.018 (0.059 with 7-bit activations, on CPUs without AVX512-VNNI),
+# q4 and q4_file 0.003. The bounds leave room for other CPUs' rounding; a format past its bound is broken
+# on this machine, and the benchmarks refuse to report its speed.
+KL_BOUND = {"float16": 0.005, "bfloat16": 0.005, "int8": 0.02, "w8a8": 0.05 if cpu_has_vnni() else 0.12,
+            "q4": 0.01, "q4_file": 0.01}
 
 
 def heldout_ids(tokenizer, path: str | Path = HELDOUT, max_tokens: int | None = None) -> list[int]:
@@ -49,3 +57,51 @@ def compare(ref: torch.Tensor, other: torch.Tensor, ids: list[int]) -> dict[str,
     return {"kl": kl.mean().item(), "kl_max": kl.max().item(),
             "top1": (ref.argmax(-1) == other.argmax(-1)).float().mean().item(),
             "ppl": nll.mean().exp().item(), "ppl_ref": nll_ref.mean().exp().item()}
+
+
+# How far a quantized KV cache may move the model (float32 weights), measured on the same text: int8 0.0006,
+# int4 0.043 (groups of 32 with a minimum; 0.27 with one symmetric scale per head).
+KV_KL_BOUND = {"int8": 0.005, "int4": 0.12}
+
+
+def precision_name(model) -> str | None:
+    """The model's lossy precision as a name ("q4_file", "bfloat16", "int8 + kv int4"), None for float32."""
+    weights = getattr(model, "quant", None) or {torch.float16: "float16", torch.bfloat16: "bfloat16"}.get(model.dtype)
+    kv = getattr(model, "kv_cache_dtype", None)
+    parts = [weights] if weights else []
+    if kv:
+        parts.append(f"kv {kv}")
+    return " + ".join(parts) or None
+
+
+def kl_bound(model) -> float | None:
+    """The mean KL from float32 the model's precision is allowed (weights and KV cache added); None when
+    nothing is lossy."""
+    weights = getattr(model, "quant", None) or {torch.float16: "float16", torch.bfloat16: "bfloat16"}.get(model.dtype)
+    kv = getattr(model, "kv_cache_dtype", None)
+    if weights is None and kv is None:
+        return None
+    return KL_BOUND.get(weights, 0.0) + KV_KL_BOUND.get(kv, 0.0)
+
+
+@torch.inference_mode()
+def check_quality(model, reference, prompts: list[list[int]]) -> dict:
+    """Before a benchmark reports a speed: the mean KL of `model`'s next-token distributions from the
+    float32 `reference`'s, over every position of `prompts`, against the bound for its precision.
+    {"format", "kl", "bound", "within_bound", "tokens"}; a format past its bound computes something
+    else on this machine, and its speed means nothing."""
+    kv = getattr(model, "kv_cache_dtype", None)
+    kls = [compare(next_token_logprobs(reference, p), next_token_logprobs(model, p, kv), p)["kl"] * len(p)
+           for p in prompts]
+    tokens = sum(len(p) for p in prompts)
+    kl, bound = sum(kls) / tokens, kl_bound(model)
+    return {"format": precision_name(model), "kl": kl, "bound": bound, "tokens": tokens,
+            "within_bound": bound is None or kl <= bound}
+
+
+def refusal(quality: dict) -> str:
+    """The one-line reason a benchmark gives for not reporting a format's speed."""
+    return (f"{quality['format']} moves the model's next-token distribution by a mean KL of {quality['kl']:.3f} "
+            f"from float32 on this run's prompts ({quality['tokens']} tokens), past its bound of "
+            f"{quality['bound']:g}: it computes something else on this CPU "
+            f"({torch.backends.cpu.get_cpu_capability()}), so its speed is not reported")
