@@ -1,6 +1,9 @@
 """Quantized weights against float32, side by side in one process: speed, memory and quality.
 
-For each format (float32, float16, bfloat16, int8, w8a8, q4, q4_file), taking turns round by round:
+First, for each format, its mean KL from float32 on this run's own inputs (the decode prompt and the prefill
+tokens): a format past its bound (`minillm/quant/quality.py`) computes something else on this CPU, and
+gets no speed, only the reason. Then, for each format (float32, float16, bfloat16, int8, w8a8, q4, q4_file)
+within its bound, taking turns round by round:
 - single-stream decode tokens/s (the kv stage, 64 greedy tokens after a short prompt),
 - batch-64 decode tokens/s (64 sequences, 8 steps),
 - prefill tokens/s (one 256-token prompt, the last token's logits),
@@ -37,7 +40,7 @@ from minillm.generate import generate
 from minillm.kv import kv_cache_bytes
 from minillm.sampling import SamplingParams
 from minillm.quant import weight_bytes
-from minillm.quant.quality import compare, heldout_ids, next_token_logprobs
+from minillm.quant.quality import KV_KL_BOUND, check_quality, compare, heldout_ids, next_token_logprobs, refusal
 from minillm.runners import KVCacheRunner
 
 PROMPT = "The history of the printing press begins in"
@@ -99,9 +102,13 @@ def batch_decode(model, ids, batch=64, steps=8) -> float:
     return batch * steps / (time.perf_counter() - t)
 
 
+def prefill_ids(n=256) -> list[int]:
+    return torch.randint(100, 10_000, (n,), generator=torch.Generator().manual_seed(0)).tolist()
+
+
 @torch.inference_mode()
 def prefill(model, n=256) -> float:
-    x = torch.randint(100, 10_000, (1, n), generator=torch.Generator().manual_seed(0))
+    x = torch.tensor([prefill_ids(n)])
     t = time.perf_counter()
     model(x, logit_indices=torch.tensor([n - 1]))
     return n / (time.perf_counter() - t)
@@ -162,14 +169,19 @@ def main():
     for dtype, quant in FORMATS:
         models[name(dtype, quant)] = (copy.deepcopy(base).to(minillm.parse_dtype(dtype)) if quant is None
                                       else minillm.load_model(quant=quant))
-    speed = {k: {"single_stream_decode": [], "batch64_decode": [], "prefill_256": []} for k in models}
+    gate = {k: check_quality(m, base, [ids, prefill_ids()]) for k, m in models.items()}   # before any timing
+    refused = {k: refusal(q) for k, q in gate.items() if not q["within_bound"]}
+    for why in refused.values():
+        print(f"not timed: {why}", file=sys.stderr)
+    timed = {k: m for k, m in models.items() if k not in refused}
+    speed = {k: {"single_stream_decode": [], "batch64_decode": [], "prefill_256": []} for k in timed}
     peer = None
     if args.peer_python:
         peer = subprocess.Popen([args.peer_python, "-c", LLAMA_SCRIPT, str(minillm.find_model()), PROMPT,
                                  str(args.rounds + 1)], stdin=subprocess.PIPE, stdout=subprocess.PIPE, text=True)
         speed["llama.cpp"] = {"single_stream_decode": []}
     for rnd in tqdm(range(args.rounds + 1), desc="rounds", file=sys.stderr):   # round 0 warms up
-        for k, m in models.items():
+        for k, m in timed.items():
             got = {"single_stream_decode": single_stream(m, ids), "batch64_decode": batch_decode(m, ids),
                    "prefill_256": prefill(m)}
             if rnd:
@@ -192,8 +204,9 @@ def main():
             capture_output=True, text=True, check=True).stdout.split()[-3:])
         row = {"format": k, "dtype": dtype, "quant": quant, "weight_bytes": weight_bytes(models[k]), "rss_bytes": rss,
                "rss_model_bytes": rss_model, "peak_rss_bytes": peak,
-               **{m: statistics.median(v) for m, v in speed[k].items()},
-               **compare(ref, next_token_logprobs(models[k], held), held)}
+               **({m: statistics.median(v) for m, v in speed[k].items()} if k in speed else
+                  {"refused": refused[k], "single_stream_decode": None, "batch64_decode": None, "prefill_256": None}),
+               "quality_gate": gate[k], **compare(ref, next_token_logprobs(models[k], held), held)}
         results.append(row)
     if peer:
         results.append({"format": "llama.cpp", "single_stream_decode": statistics.median(
@@ -210,12 +223,18 @@ def main():
     # the KV cache: bytes, quality and long-context decode with float32 weights
     llama8b = ModelConfig(name="Llama-3-8B (shape only)", vocab_size=128256, d_model=4096, n_layers=32, n_heads=32,
                           n_kv_heads=8, head_dim=128, ffn_dim=14336, rope_base=500000.0)
-    kv_rows, kv_speed = [], {kv: [] for kv in ("float32", "float16", "int8", "int4")}
+    kv_quality = {}
+    for kv in ("float32", "float16", "int8", "int4"):
+        m = models["float16"] if kv == "float16" else base
+        kv_quality[kv] = compare(ref, next_token_logprobs(m, held, None if kv.startswith("float") else kv), held)
+    kv_refused = {kv: f"KV {kv}: mean KL {q['kl']:.3f} from float32, past its bound of {KV_KL_BOUND[kv]:g}"
+                  for kv, q in kv_quality.items() if kv in KV_KL_BOUND and q["kl"] > KV_KL_BOUND[kv]}
+    kv_rows, kv_speed = [], {kv: [] for kv in kv_quality if kv not in kv_refused}
     for rnd in range(args.rounds):
         for kv in kv_speed:
             m = models["float16"] if kv == "float16" else base
             kv_speed[kv].append(long_context_decode(m, None if kv.startswith("float") else kv))
-    for kv in kv_speed:
+    for kv in kv_quality:
         q = None if kv.startswith("float") else kv
         m = models["float16"] if kv == "float16" else base
         dtype = torch.float16 if kv == "float16" else torch.float32
@@ -223,19 +242,26 @@ def main():
         kv_rows.append({"kv_cache": kv, "bytes_per_token": per_token,
                         "tokens_per_gib": (1 << 30) // per_token,
                         "llama3_8b_bytes_per_token": kv_cache_bytes(llama8b, 1, dtype, q),
-                        "decode_at_1000_tokens": statistics.median(kv_speed[kv]),
-                        **compare(ref, next_token_logprobs(m, held, q), held),
-                        "greedy_agreement": greedy_agreement(m, tok, refs, bench_prompts, q)})
+                        "decode_at_1000_tokens": statistics.median(kv_speed[kv]) if kv in kv_speed else None,
+                        **({"refused": kv_refused[kv]} if kv in kv_refused else {}),
+                        **kv_quality[kv], "greedy_agreement": greedy_agreement(m, tok, refs, bench_prompts, q)})
     out = {"machine": machine_info(), "threads": args.threads, "rounds": args.rounds, "heldout_tokens": len(held),
            "results": results, "kv_cache": kv_rows, "raw": speed, "raw_kv_decode": kv_speed}
     if args.profile:
         out["profile_q4_file_decode_step"] = profile_step(models["q4_file"], ids)
         out["profile_float32_decode_step"] = profile_step(base, ids)
     for r in results:
+        if r.get("refused"):
+            print(f"{r['format']:>10}  not timed (KL {r['quality_gate']['kl']:.3f} past {r['quality_gate']['bound']:g})",
+                  file=sys.stderr)
+            continue
         print(f"{r['format']:>10}  decode {r['single_stream_decode']:6.1f}  b64 {r.get('batch64_decode', 0):7.1f}  "
               f"prefill {r.get('prefill_256', 0):7.1f} tok/s  weights {r.get('weight_bytes', 0) / 1e6:6.1f} MB  "
               f"KL {r.get('kl', 0):.4f}  top1 {r.get('top1', 0):.3f}", file=sys.stderr)
     for r in kv_rows:
+        if r.get("refused"):
+            print(f"not timed: {r['refused']}", file=sys.stderr)
+            continue
         print(f"KV {r['kv_cache']:>8}  {r['bytes_per_token']:6d} B/token  decode@1000 {r['decode_at_1000_tokens']:5.1f}  "
               f"KL {r['kl']:.4f}  top1 {r['top1']:.3f}  greedy {r['greedy_agreement']}", file=sys.stderr)
     print(json.dumps(out))

@@ -44,23 +44,35 @@ def _cpu_name() -> str:
     return platform.processor() or platform.machine()
 
 
+# CPU features that change which kernel is fastest (and how fbgemm adds): bfloat16 and int8 matrix units
+CPU_FEATURES = ("avx512_vnni", "avx_vnni", "avx512_bf16", "amx_bf16", "amx_int8")
+
+
 def machine_info() -> dict:
-    """CPU model, core count, memory, GPU (if any) and library versions: name the hardware behind a number."""
+    """CPU model, core count, memory, GPU (if any) and library versions: name the hardware behind a number.
+    cpu_capability: the ATen kernels in use (AVX512, AVX2, DEFAULT, ...); cpu_features: the matrix
+    instructions among CPU_FEATURES the CPU has."""
     import psutil
 
     gpu = torch.cuda.get_device_name(0) if torch.cuda.is_available() else None
+    caps = torch.cpu.get_capabilities()
     return {"cpu": _cpu_name(), "cores": os.cpu_count(), "memory_gib": round(psutil.virtual_memory().total / 2**30, 1),
             "gpu": gpu, "torch": torch.__version__, "threads": torch.get_num_threads(),
-            "python": platform.python_version(), "os": platform.system()}
+            "python": platform.python_version(), "os": platform.system(),
+            "cpu_capability": torch.backends.cpu.get_cpu_capability(),
+            "cpu_features": [f for f in CPU_FEATURES if caps.get(f)]}
 
 
 def machine_label(info: dict | None = None) -> str:
-    """One line for a figure's title: 'Intel Xeon ... · 2 cores, 2 threads · 23.5 GiB' (and the GPU, if any)."""
+    """One line for a figure's title: 'AMD EPYC (AVX2) · 2 cores, 2 threads · 23.5 GiB' (and the GPU, if any)."""
     info = info or machine_info()
     if isinstance(info, str):                          # older results name only the CPU
         info = {"cpu": info}
     counts = [f"{info[k]} {k}" for k in ("cores", "threads") if info.get(k)]
-    label = " · ".join([info["cpu"]] + ([", ".join(counts)] if counts else []))
+    cpu = info["cpu"]
+    if info.get("cpu_capability"):                     # which kernels ran: AVX512, AVX2, ...
+        cpu += f" ({', '.join([info['cpu_capability'], *info.get('cpu_features', [])])})"
+    label = " · ".join([cpu] + ([", ".join(counts)] if counts else []))
     if info.get("memory_gib"):
         label += f" · {info['memory_gib']:g} GiB"
     return label + (f" · {info['gpu']}" if info.get("gpu") else "")

@@ -192,6 +192,24 @@ def _load(args):
     return model, tok, device
 
 
+def _check_quality(args, model, device, prompts: list[list[int]]) -> dict | None:
+    """A lossy precision (quantized weights, half-precision floats, a quantized KV cache) gets its speed
+    measured only where it computes what float32 does: its mean KL from float32 on the run's own prompts
+    within its bound (`quant/quality.py`). Past it, the run ends saying so."""
+    from . import load_model
+    from .quant.quality import check_quality, kl_bound, refusal
+
+    if kl_bound(model) is None:
+        return None
+    q = check_quality(model, load_model(args.model, device=device), prompts)
+    if not q["within_bound"]:
+        _fail(refusal(q))
+    if not args.json:
+        print(f"{q['format']}: mean KL {q['kl']:.4f} from float32 on these prompts ({q['tokens']} tokens; "
+              f"bound {q['bound']:g})", file=sys.stderr)
+    return q
+
+
 def cmd_generate(args) -> None:
     from .generate import Generation, check_prompt, stream
 
@@ -323,7 +341,7 @@ def cmd_chat(args) -> None:
 
 
 def cmd_bench(args) -> None:
-    from .bench import load_prompts, load_transformers_peer, run_bench
+    from .bench import load_prompts, load_transformers_peer, prompt_ids, run_bench
     from .generate import ALL_STAGES
 
     if args.mode == "serve":
@@ -336,9 +354,11 @@ def cmd_bench(args) -> None:
         _fail("--max-tokens must be >= 2 and --repeats >= 1")
     prompts = load_prompts(args.prompt_file)
     args.stage = stages[0]
-    model, tok, _ = _load(args)
+    model, tok, device = _load(args)
+    quality = _check_quality(args, model, device, [prompt_ids(tok, p) for p in prompts])
     peer = load_transformers_peer(args.model) if args.peer == "transformers" else None
     report = run_bench(model, tok, stages, prompts, max_tokens=args.max_tokens, repeats=args.repeats, peer=peer)
+    report["quality"] = quality
     if not args.json:
         print(f"{'stage':<12} {'prefill tok/s':>12} {'ttft ms':>9} {'decode tok/s':>13} {'ratio':>6}", file=sys.stderr)
         for r in report["results"]:
@@ -421,7 +441,8 @@ def cmd_bench_serve(args) -> None:
     items = load_workload(args.workload, args.num_requests, args.length_scale, request_rate=args.request_rate,
                           shared_prefix_tokens=args.shared_prefix_tokens)
     args.stage = "continuous"
-    model, tok, _ = _load(args)
+    model, tok, device = _load(args)
+    quality = _check_quality(args, model, device, [w.prompt_ids[:256] for w in items[:4]])
     hf = None
     if args.peer == "transformers":
         hf = load_transformers_peer(args.model)
@@ -445,7 +466,7 @@ def cmd_bench_serve(args) -> None:
                 "max_output_tokens": max(w.output_len for w in items),
                 "max_num_batched_tokens": args.max_num_batched_tokens,
                 "shared_prefix_tokens": args.shared_prefix_tokens, "prefix_caching": not args.no_prefix_caching}
-    print(json.dumps({"machine": machine_info(), "workload": workload, "results": results}))
+    print(json.dumps({"machine": machine_info(), "workload": workload, "results": results, "quality": quality}))
 
 
 def cmd_course(args) -> None:
