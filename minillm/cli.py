@@ -427,7 +427,7 @@ def cmd_bench_http(args) -> None:
 
 
 def cmd_bench_serve(args) -> None:
-    from .bench import load_transformers_peer, machine_info
+    from .bench import load_prompts, load_transformers_peer, machine_info, prompt_ids
     from .bench_serve import load_workload, run_serve_bench
 
     if args.url is not None:
@@ -442,7 +442,8 @@ def cmd_bench_serve(args) -> None:
                           shared_prefix_tokens=args.shared_prefix_tokens)
     args.stage = "continuous"
     model, tok, device = _load(args)
-    quality = _check_quality(args, model, device, [w.prompt_ids[:256] for w in items[:4]])
+    quality = _check_quality(args, model, device, [prompt_ids(tok, p) for p in load_prompts()])   # text, not the
+    # workload's random ids: the bounds are for language
     hf = None
     if args.peer == "transformers":
         hf = load_transformers_peer(args.model)

@@ -103,5 +103,5 @@ def refusal(quality: dict) -> str:
     """The one-line reason a benchmark gives for not reporting a format's speed."""
     return (f"{quality['format']} moves the model's next-token distribution by a mean KL of {quality['kl']:.3f} "
             f"from float32 on this run's prompts ({quality['tokens']} tokens), past its bound of "
-            f"{quality['bound']:g}: it computes something else on this CPU "
-            f"({torch.backends.cpu.get_cpu_capability()}), so its speed is not reported")
+            f"{quality['bound']:g}: on this CPU ({torch.backends.cpu.get_cpu_capability()}) it is not computing "
+            f"what the model computes, so its speed is not reported")
