@@ -48,7 +48,7 @@ def test_weights_shrink(model, quantized):
 
 @pytest.mark.parametrize("fmt", list(KL_BOUND))
 def test_quality_stays_within_its_bound(model, quantized, heldout, reference, fmt):
-    m = copy.deepcopy(model).to(torch.bfloat16) if fmt == "bfloat16" else quantized[fmt]
+    m = copy.deepcopy(model).to(getattr(torch, fmt)) if fmt in ("float16", "bfloat16") else quantized[fmt]
     q = compare(reference, next_token_logprobs(m, heldout), heldout)
     assert q["kl"] < KL_BOUND[fmt], q
     assert q["top1"] > 0.8, q
@@ -60,12 +60,18 @@ TEXTS = ["The capital of France is", "1, 2, 3, 4, 5,", "Once upon a time, in a l
 GREEDY = SamplingParams(max_tokens=12, ignore_eos=True)
 
 
-# Weight-only formats. w8a8 rounds activations to int8, so the float32 rounding differences between a
-# batched and a solo step (attention, norms) can flip a rounding and then a near-tie between two tokens;
-# its layers are batch-invariant (test below), its whole-model tokens in a batch are not guaranteed.
+# Weight-only formats. Their activations enter the kernels in bfloat16 and the head's logits come out in
+# bfloat16 (steps of 1/16 between 8 and 16): a chunked or batched pass differs from the solo one in the last
+# float32 bits (attention, norms), which can flip a bfloat16 rounding and then a near-tie between two tokens.
+# So each engine token must be the single-stream model's top token given the engine's own tokens, or within
+# two bfloat16 steps of it. w8a8 rounds activations to int8 and moves further; its layers are
+# batch-invariant (test_quant_kernels.py), its whole-model tokens in a batch are not guaranteed.
+NEAR_TIE = 0.125
+
+
 @pytest.mark.parametrize("fmt", ["q4_file", "int8"])
 def test_engine_batches_chunks_and_preempts_a_quantized_model_without_changing_tokens(quantized, tokenizer, fmt):
-    assert_engine_matches_solo(quantized[fmt], tokenizer, TEXTS, GREEDY)
+    assert_engine_matches_solo(quantized[fmt], tokenizer, TEXTS, GREEDY, near_tie=NEAR_TIE)
 
 
 def test_bad_format_names_the_choices():

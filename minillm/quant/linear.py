@@ -74,14 +74,18 @@ def _rows(x: torch.Tensor) -> torch.Tensor:
     return x.reshape(-1, x.shape[-1])   # (..., in) -> (rows, in)
 
 
-def kernel_agrees(kernel, weight: torch.Tensor, name: str, warn: bool = True) -> bool:
+def kernel_agrees(kernel, weight, name: str, warn: bool = True) -> bool:
     """Whether kernel(x) (rows, in) -> (rows, out) equals x @ weight^T on a probe: a row of ones (every
-    product at its largest, where 16-bit sums overflow) and a random row. Warns and says False if not."""
-    n = weight.shape[1]
+    product at its largest, where 16-bit sums overflow) and a random row. Warns and says False if not.
+    weight: (out, in), or a function (start, stop) -> its rows start..stop in float32, so that a large
+    layer (the 49,152-row head) is never dequantized whole."""
+    rows = weight if callable(weight) else (lambda a, b: weight[a:b].float())
+    n = rows(0, 1).shape[1]
     probe = torch.cat([torch.ones(1, n), torch.randn(1, n, generator=torch.Generator().manual_seed(0))])
-    ref = F.linear(probe, weight.float())                                   # (2, out)
     try:
-        err = ((kernel(probe).float() - ref).norm(dim=1) / ref.norm(dim=1).clamp_min(1e-12)).max().item()
+        y = kernel(probe).float()                                           # (2, out)
+        ref = torch.cat([F.linear(probe, rows(a, a + 4096)) for a in range(0, y.shape[1], 4096)], dim=1)
+        err = ((y - ref).norm(dim=1) / ref.norm(dim=1).clamp_min(1e-12)).max().item()
     except (RuntimeError, NotImplementedError) as e:
         err, why = float("inf"), f"it fails ({e})"
     else:
@@ -105,7 +109,7 @@ class Int8Linear(nn.Module):
         self.register_buffer("scale_bf16", scale.bfloat16())        # what the kernel reads
         self.in_features, self.out_features = q.shape[1], q.shape[0]
         self.many_rows = default_many_rows()
-        self.cpu_kernel = kernel and q.device.type == "cpu" and kernel_agrees(self._kernel, self.dequantize(),
+        self.cpu_kernel = kernel and q.device.type == "cpu" and kernel_agrees(self._kernel, self._rows,
                                                                              "_weight_int8pack_mm")
 
     @classmethod
@@ -118,6 +122,9 @@ class Int8Linear(nn.Module):
 
     def dequantize(self, dtype=torch.float32) -> torch.Tensor:
         return (self.q.to(dtype) * self.scale[:, None].to(dtype))       # (out, in)
+
+    def _rows(self, a: int, b: int) -> torch.Tensor:
+        return self.q[a:b].float() * self.scale[a:b, None]             # rows a..b of dequantize()
 
     def _kernel(self, x2: torch.Tensor) -> torch.Tensor:
         return torch._weight_int8pack_mm(x2.bfloat16(), self.q, self.scale_bf16)   # (rows, out)
@@ -190,12 +197,11 @@ class W8A8Linear(nn.Module):
     def _check_kernel(self, auto: bool) -> None:
         """Keep fbgemm only if it multiplies by the weight: at 8 bits, then (if the bits were ours to
         choose) at 7; else the floating-point emulation."""
-        weight = self.int8.dequantize()                                 # (out, in), smoothed columns
-        retry = auto and not self.reduce_range
-        ok = kernel_agrees(self._fbgemm, weight, "quantized::linear_dynamic", warn=not retry)
+        retry = auto and not self.reduce_range                         # the weight: smoothed columns, as
+        ok = kernel_agrees(self._fbgemm, self.int8._rows, "quantized::linear_dynamic", warn=not retry)   # _fbgemm's x
         if not ok and retry:
             self.reduce_range = True
-            ok = kernel_agrees(self._fbgemm, weight, "quantized::linear_dynamic")
+            ok = kernel_agrees(self._fbgemm, self.int8._rows, "quantized::linear_dynamic")
         if not ok:
             self.packed = None
 
@@ -256,7 +262,8 @@ class Q4Linear(nn.Module):
                                  persistent=False)
             s_z = torch.stack([d, m + 8 * d], -1).transpose(0, 1).contiguous().bfloat16()   # (in / 32, out, 2)
             self.register_buffer("kernel_scale_zero", s_z, persistent=False)
-            self.cpu_kernel = kernel_agrees(self._kernel, w4.dequantize(), "_weight_int4pack_mm_for_cpu")
+            self.cpu_kernel = kernel_agrees(self._kernel, lambda a, b: Q4Weight(
+                w4.packed[a:b], w4.scale[a:b], w4.min[a:b]).dequantize(), "_weight_int4pack_mm_for_cpu")
 
     @classmethod
     def from_float(cls, w: torch.Tensor, device="cpu") -> "Q4Linear":
