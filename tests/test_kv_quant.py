@@ -3,6 +3,7 @@ store and return them like float ones (views, copy-on-write, gathers), they take
 promise, and the model's next-token distribution moves no more than measured."""
 import pytest
 import torch
+from helpers import pool_io
 from helpers.engine_check import assert_engine_matches_solo
 
 import minillm
@@ -57,14 +58,14 @@ def test_block_pool_writes_forks_and_gathers_quantized_blocks(model, kv):
     g = torch.Generator().manual_seed(1)
     k, v = (torch.randn(6, cfg.n_kv_heads, cfg.head_dim, generator=g) for _ in range(2))
     slots = pool.allocate(0, 6)
-    pool.write(2, slots, k, v)
-    k_back, v_back = pool.gather(2, 0)
+    pool_io.write(pool, 2, slots, k, v)
+    k_back, v_back = pool_io.gather(pool, 2, 0)
     expect_k = dequantize(*quantize(k, kv), kv, torch.float32)
     assert torch.equal(k_back, expect_k)
     pool.fork(0, 1)
     pool.grow(1, 1)                                          # the shared partial block is copied first
     assert pool.tables[0][-1] != pool.tables[1][-1]
-    k1, _ = pool.gather(2, 1)
+    k1, _ = pool_io.gather(pool, 2, 1)
     assert torch.equal(k1[:6], expect_k)
 
 

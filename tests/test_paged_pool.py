@@ -7,6 +7,8 @@ from hypothesis import settings
 from hypothesis import strategies as st
 from hypothesis.stateful import RuleBasedStateMachine, invariant, precondition, rule
 
+from helpers import pool_io
+
 from minillm.config import ModelConfig
 from minillm.kv import BlockPool, OutOfBlocks
 
@@ -34,7 +36,7 @@ class PoolMachine(RuleBasedStateMachine):
             vals.append(self.counter)
         kv = torch.tensor(vals)[:, None, None].expand(-1, 1, 2)
         for layer in range(TINY.n_layers):
-            self.pool.write(layer, slots, kv, -kv)
+            pool_io.write(self.pool, layer, slots, kv, -kv)
         self.expected[seq] += vals
 
     @rule(n=st.integers(1, 20))
@@ -95,7 +97,7 @@ class PoolMachine(RuleBasedStateMachine):
     @invariant()
     def every_sequence_reads_its_own_tokens(self):
         for seq, vals in self.expected.items():
-            k, v = self.pool.gather(1, seq)
+            k, v = pool_io.gather(self.pool, 1, seq)
             assert k[:, 0, 0].tolist() == vals and v[:, 0, 1].tolist() == [-x for x in vals]
 
     def teardown(self):

@@ -3,6 +3,7 @@ the CPU path) against a float64 reference, and the Triton kernel (through the in
 against the same; then the whole engine with either backend on a small random model."""
 import pytest
 import torch
+from helpers import pool_io
 
 from minillm.attention import naive_attention
 from minillm.attention.paged_torch import paged_attention, plan_paged_attention, workspace_for
@@ -34,7 +35,7 @@ def make_batch(case, H, H_kv, D, block_size, dtype, seed):
         pool.append_slots("blocker", block_size)                           # interleave the pages
         k = torch.randn(k_len, H_kv, D, generator=g, dtype=torch.float64)
         v = torch.randn(k_len, H_kv, D, generator=g, dtype=torch.float64)
-        pool.write(0, slots, k.to(dtype), v.to(dtype))
+        pool_io.write(pool, 0, slots, k.to(dtype), v.to(dtype))
         ks.append(k)
         vs.append(v)
         tables.append(pool.tables[i])

@@ -2,6 +2,7 @@
 proposer and draft length, single-stream; rollback leaves the caches as if the drafts never ran."""
 import pytest
 import torch
+from helpers import pool_io
 
 from minillm.generate import generate
 from minillm.runners import make_runner
@@ -138,7 +139,7 @@ def test_rollback_equals_never_seeing_the_drafts(model, stage):
         assert len(a.pool.tables[0]) == len(b.pool.tables[0]) == a.pool.blocks_for(n)
         assert a.pool.num_free_blocks == b.pool.num_free_blocks          # blocks past the kept ones came back
         for layer in (0, model.cfg.n_layers - 1):
-            for x, y in zip(a.pool.gather(layer, 0), b.pool.gather(layer, 0)):
+            for x, y in zip(pool_io.gather(a.pool, layer, 0), pool_io.gather(b.pool, layer, 0)):
                 torch.testing.assert_close(x, y, rtol=1e-4, atol=1e-4)
 
 

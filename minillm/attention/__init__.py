@@ -11,9 +11,7 @@ from .naive import causal_mask, mask_from_positions, naive_attention
 from .sdpa import sdpa_attention
 from .tiled import tiled_attention
 
-ATTENTION = {"naive": naive_attention, "gqa": gqa_attention, "sdpa": sdpa_attention, "tiled": tiled_attention}
-
-__all__ = ["ATTENTION", "causal_mask", "decode_attention", "flash_attn_varlen", "gqa_attention",
+__all__ = ["causal_mask", "decode_attention", "flash_attn_varlen", "gqa_attention",
            "mask_from_positions", "naive_attention", "sdpa_attention", "tiled_attention"]
 
 

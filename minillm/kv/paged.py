@@ -160,14 +160,3 @@ class BlockPool:
         for i, s in enumerate(seqs):
             out[i, : len(self.tables[s])] = torch.tensor(self.tables[s], dtype=torch.int32)
         return out.to(self.device)
-
-    def write(self, layer: int, slots: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> None:
-        """Store k, v (n, n_kv, hd) at `slots` (n,) of `layer` (PyTorch; the Triton kernel does the same)."""
-        self.k[layer].view(-1, *self.k.shape[3:])[slots] = k
-        self.v[layer].view(-1, *self.v.shape[3:])[slots] = v
-
-    def gather(self, layer: int, seq: int) -> tuple[torch.Tensor, torch.Tensor]:
-        """The readable reference: K, V of `seq` as contiguous (length, n_kv, hd) tensors."""
-        slots = self.slots(seq, 0, self.lengths[seq])
-        k, v = (c[layer].view(-1, *c.shape[3:])[slots] for c in (self.k, self.v))
-        return (k.dequantize(), v.dequantize()) if self.kv_dtype else (k, v)

@@ -3,6 +3,7 @@ import os
 
 import torch
 import torch.distributed as dist
+from helpers import pool_io
 
 
 def sum_of_ranks(rank, world):
@@ -46,11 +47,11 @@ def kv_send_then_receive(rank, world):
         pool = _pool(0, taken=1)
         slots = pool.allocate(7, 10)
         for layer in range(2):
-            pool.write(layer, slots, k[layer], v[layer])
+            pool_io.write(pool, layer, slots, k[layer], v[layer])
         return send_sequence(pool, 7, dst=1)
     pool = _pool(1, taken=3)                               # the blocks land elsewhere here
     stats = recv_sequence(pool, 7, src=0)
-    same = all(torch.equal(pool.gather(layer, 7)[0], k[layer]) and torch.equal(pool.gather(layer, 7)[1], v[layer])
+    same = all(torch.equal(pool_io.gather(pool, layer, 7)[0], k[layer]) and torch.equal(pool_io.gather(pool, layer, 7)[1], v[layer])
                for layer in range(2))
     assert same and stats["length"] == 10 and pool.tables[7] != [1, 2, 3], (stats, pool.tables)
     return None
