@@ -6,7 +6,6 @@
 """
 from __future__ import annotations
 
-import logging
 from pathlib import Path
 
 import torch
@@ -79,18 +78,11 @@ def load_tokenizer(path: str | Path | None = None) -> Tokenizer:
     return Tokenizer.from_gguf(path)
 
 
-def _default_logging() -> None:
-    """The engine reports what it sets up (KV cache size, tokens that fit) at INFO level on stderr,
-    unless the application configured logging itself."""
-    log = logging.getLogger("minillm")
-    if not log.handlers and not logging.getLogger().handlers:
-        handler = logging.StreamHandler()
-        handler.setFormatter(logging.Formatter("minillm: %(message)s"))
-        log.addHandler(handler)
-        log.setLevel(logging.INFO)
-        log.propagate = False
+def __getattr__(name: str):
+    """`minillm.LLM`, the serving engine, is imported when first asked for: `import minillm` loads the
+    model code only."""
+    if name == "LLM":
+        from .engine import LLM
 
-
-_default_logging()
-
-from .engine import LLM  # noqa: E402  (the engine uses load_model and load_tokenizer above)
+        return LLM
+    raise AttributeError(f"module 'minillm' has no attribute {name!r}")

@@ -131,7 +131,7 @@ def replay_engine(engine, items: list[WorkItem], max_concurrency: int | None = N
         engine.step()
     after = engine.stats()
     queries = after["prefix_cache_queries"] - before["prefix_cache_queries"]
-    hit_rate = (after["prefix_cache_hits"] - before["prefix_cache_hits"]) / queries if engine.prefix_caching and queries else None
+    hit_rate = (after["prefix_cache_hits"] - before["prefix_cache_hits"]) / queries if engine.config.enable_prefix_caching and queries else None
     return Replay(records, duration, timeline, hit_rate)
 
 

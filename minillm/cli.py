@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import logging
 import os
 import sys
 
@@ -491,6 +492,18 @@ def cmd_course(args) -> None:
     os.execv(sys.executable, cmd)
 
 
+def _log_to_stderr() -> None:
+    """The engine reports what it sets up (KV cache size, tokens that fit) at INFO level: on stderr,
+    unless logging is configured already."""
+    log = logging.getLogger("minillm")
+    if not log.handlers and not logging.getLogger().handlers:
+        handler = logging.StreamHandler()
+        handler.setFormatter(logging.Formatter("minillm: %(message)s"))
+        log.addHandler(handler)
+        log.setLevel(logging.INFO)
+        log.propagate = False
+
+
 def main(argv=None) -> None:
     import os
 
@@ -501,6 +514,7 @@ def main(argv=None) -> None:
         os.environ.setdefault("TRITON_INTERPRET", "1")  # it must be on before anything imports triton
 
     args = build_parser().parse_args(argv)
+    _log_to_stderr()
     try:
         {"generate": cmd_generate, "chat": cmd_chat, "bench": cmd_bench, "course": cmd_course,
          "serve": cmd_serve}[args.command](args)

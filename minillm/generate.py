@@ -12,10 +12,11 @@ from typing import Iterator
 
 import torch
 
+from .detokenizer import IncrementalDetokenizer
 from .runners import STAGES, NaiveRunner, make_runner  # noqa: F401  (re-exported)
+from .sampling import SamplingParams, make_generator, sample_next_token
 
 ALL_STAGES = [*STAGES, "continuous"]   # stage 5, the serving engine, streams through engine/
-from .sampling import SamplingParams, make_generator, sample_next_token
 
 
 @dataclass
@@ -54,62 +55,12 @@ class Generation:
         return self.prompt_tokens / self.ttft_s if self.ttft_s > 0 else 0.0
 
 
-def first_stop(text: str, stops) -> int:
-    """Where the earliest stop string starts in text, or -1."""
-    return min((i for i in (text.find(s) for s in stops) if i >= 0), default=-1)
-
-
 def check_prompt(prompt_ids: list[int], max_seq_len: int) -> None:
     if not prompt_ids:
         raise ValueError("the prompt is empty: give at least one token")
     if len(prompt_ids) >= max_seq_len:
         raise ValueError(f"the prompt has {len(prompt_ids)} tokens but the model's context is {max_seq_len}; "
                          f"shorten it to at most {max_seq_len - 1} tokens")
-
-
-class TextSink:
-    """Sampled tokens in, streamable text out: stops at an end token, a stop string, max_tokens or the
-    end of the context; never yields half a character or what could be the start of a stop string."""
-
-    def __init__(self, tokenizer, params: SamplingParams, out: "Generation", max_new: int):
-        self.params, self.out, self.max_new = params, out, max_new
-        self.decoder = tokenizer.stream_decoder()
-        self.stop_ids = set() if params.ignore_eos else tokenizer.stop_ids
-        self.hold = max((len(s) for s in params.stop), default=1) - 1  # chars that could start a stop string
-        self.text, self.sent, self.cut = "", 0, -1
-        self.done = False
-
-    @property
-    def remaining(self) -> int:
-        """New tokens still allowed."""
-        return self.max_new - len(self.out.token_ids)
-
-    def push(self, token: int) -> str:
-        """Take one sampled token; return the text that is now safe to show ("" if none)."""
-        out = self.out
-        if token in self.stop_ids:
-            out.finish_reason, self.done = "stop", True
-            return ""
-        out.token_ids.append(token)
-        self.text += self.decoder.push(token)
-        self.cut = first_stop(self.text, self.params.stop)
-        if self.cut >= 0:
-            self.text, out.finish_reason, self.done = self.text[:self.cut], "stop", True
-            return ""
-        if self.remaining <= 0:
-            out.finish_reason, self.done = "length", True
-        if len(self.text) - self.hold > self.sent:
-            chunk = self.text[self.sent:len(self.text) - self.hold]
-            self.sent = len(self.text) - self.hold
-            return chunk
-        return ""
-
-    def close(self) -> str:
-        """The end: the rest of the text (the decoder's held bytes too, unless a stop string cut it)."""
-        if self.cut < 0:
-            self.text += self.decoder.flush()
-        self.out.text = self.text
-        return self.text[self.sent:]
 
 
 def stream(model, tokenizer, prompt_ids: list[int], params: SamplingParams | None = None,
@@ -131,11 +82,13 @@ def stream(model, tokenizer, prompt_ids: list[int], params: SamplingParams | Non
         return
     out = result if result is not None else Generation(prompt_tokens=len(prompt_ids))
     out.prompt_tokens, out.stage = len(prompt_ids), stage
-    sink = TextSink(tokenizer, params, out, min(params.max_tokens, max_len - len(prompt_ids)))
+    detok = IncrementalDetokenizer(tokenizer, params, min(params.max_tokens, max_len - len(prompt_ids)))
+    out.token_ids = detok.token_ids
     if speculative is not None:
         from .speculative.decode import speculative_decode
 
-        yield from speculative_decode(model, prompt_ids, params, stage, speculative, num_speculative_tokens, sink)
+        yield from speculative_decode(model, prompt_ids, params, stage, speculative, num_speculative_tokens,
+                                      detok, out)
         return
     if runner is None:
         runner = make_runner(model, stage, max_len=min(len(prompt_ids) + params.max_tokens, max_len))
@@ -150,15 +103,13 @@ def stream(model, tokenizer, prompt_ids: list[int], params: SamplingParams | Non
         if len(out.token_times_s) == 1:
             out.ttft_s = now - t0
         t0 = now
-        chunk = sink.push(token)
-        if chunk:
+        detok.push(token)
+        if chunk := detok.take():
             yield chunk
-        if sink.done:
+        if detok.done:
             break
         logits = runner.decode(token)
-    rest = sink.close()
-    if rest:
-        yield rest
+    out.text, out.finish_reason = detok.text, detok.finish_reason
 
 
 def _stream_engine(model, tokenizer, prompt_ids, params, result, speculative=None, k=4) -> Iterator[str]:
@@ -172,11 +123,9 @@ def _stream_engine(model, tokenizer, prompt_ids, params, result, speculative=Non
               speculative=speculative, num_speculative_tokens=k)
     out = result if result is not None else Generation(prompt_tokens=len(prompt_ids))
     out.prompt_tokens, out.stage = len(prompt_ids), "continuous"
-    sent = 0
     for o in llm.stream(prompt_ids, params):
-        if len(o.text) > sent:
-            yield o.text[sent:]
-            sent = len(o.text)
+        if o.new_text:
+            yield o.new_text
     out.token_ids, out.text, out.finish_reason = o.token_ids, o.text, o.finish_reason
     stats = llm.engine.stats()
     out.spec_drafts, out.spec_draft_tokens = stats["spec_drafts"], stats["spec_draft_tokens"]
@@ -206,31 +155,23 @@ def generate_batch(model, tokenizer, prompts: list[list[int]], params: SamplingP
     runner = make_runner(model, stage, max_len=min(max(map(len, prompts)) + params.max_tokens, max_len))
     gen = make_generator(params.seed)
     outs = [Generation(prompt_tokens=len(p), stage=stage) for p in prompts]
-    stop_ids = set() if params.ignore_eos else tokenizer.stop_ids
+    detoks = [IncrementalDetokenizer(tokenizer, params, min(params.max_tokens, max_len - len(p))) for p in prompts]
     t0 = time.perf_counter()
     logits = runner.prefill_batch(prompts)                                    # (B, vocab)
-    for step in range(params.max_tokens):
+    while True:
         tokens = sample_next_token(logits, params, gen).tolist()              # (B,)
         now = time.perf_counter()
-        for out, p, token in zip(outs, prompts, tokens):
-            if out.finish_reason:
+        for out, detok, token in zip(outs, detoks, tokens):
+            if detok.done:                  # static batching: it rides along until the others end
                 continue
             out.token_times_s.append(now - t0)
-            if step == 0:
+            if len(out.token_times_s) == 1:
                 out.ttft_s = now - t0
-            if token in stop_ids:
-                out.finish_reason = "stop"
-            else:
-                out.token_ids.append(token)
-                if len(out.token_ids) == params.max_tokens or len(p) + len(out.token_ids) >= max_len:
-                    out.finish_reason = "length"
+            detok.push(token)
         t0 = now
-        if all(o.finish_reason for o in outs):
+        if all(d.done for d in detoks):
             break
         logits = runner.decode_batch(tokens)
-    for out in outs:
-        out.text = tokenizer.decode(out.token_ids)
-        cut = first_stop(out.text, params.stop)
-        if cut >= 0:
-            out.text, out.finish_reason = out.text[:cut], "stop"
+    for out, detok in zip(outs, detoks):
+        out.token_ids, out.text, out.finish_reason = detok.token_ids, detok.text, detok.finish_reason
     return outs

@@ -37,7 +37,7 @@ def check(engine, finals, solo, skip=()):
     for i, ref in enumerate(solo):
         if i not in skip:
             assert finals[i].token_ids == ref, f"request {i}: {finals[i].token_ids} != solo {ref}"
-    assert engine.stats()["kv_blocks_used"] == 0 or engine.prefix_caching
+    assert engine.stats()["kv_blocks_used"] == 0 or engine.config.enable_prefix_caching
     assert all(not r.spec_token_ids for r in engine.requests.values())
 
 

@@ -81,6 +81,7 @@ class LeaderRunner(KVCacheRunner):
 
 class LeaderModelRunner(ModelRunner):
     """The engine's runner on rank 0 of a tensor-parallel model: each step is announced first."""
+    needs_kv_copies = True      # the engine's pool logs its copy-on-write copies for the other ranks
 
     def forward_tables(self, ids, positions, tables, q_lens, k_lens, logit_rows, n_layers=None) -> torch.Tensor:
         copies, self.pool.copy_log[:] = list(self.pool.copy_log), []
@@ -95,11 +96,7 @@ def leader_engine(model, tokenizer, **options):
 
     if options.get("kv_cache_dtype") not in (None, "model") or getattr(model, "kv_cache_dtype", None):
         raise ValueError("a tensor-parallel engine keeps its KV cache in the model's dtype; drop kv_cache_dtype")
-    engine = LLMEngine(model, tokenizer, attention="torch", **options)
-    engine.runner = LeaderModelRunner(model, engine.pool, "torch")
-    if engine.speculator is not None:
-        engine.speculator.runner = engine.runner
-    engine.pool.copy_log = []
+    engine = LLMEngine(model, tokenizer, attention="torch", runner_cls=LeaderModelRunner, **options)
     announce(ENGINE, [engine.pool.num_blocks, engine.pool.block_size])
     return engine
 

@@ -3,13 +3,13 @@
     request.py     a request's state (tokens computed, output, timestamps) and RequestOutput
     scheduler.py   which requests compute how many tokens each step (continuous or static)
     runner.py      all scheduled tokens packed into one forward pass over the paged KV cache
-    llm_engine.py  LLMEngine: add_request / step / abort_request / stats
+    llm_engine.py  EngineConfig; LLMEngine: add_request / step / abort_request / stats
     llm.py         LLM: generate(prompts) and chat(conversations) for scripts and notebooks
     simulate.py    the scheduler without the model (schedules in no time), and step costs to price them
 """
 from .llm import LLM
-from .llm_engine import LLMEngine
+from .llm_engine import EngineConfig, LLMEngine
 from .request import RequestMetrics, RequestOutput, Status
 from .scheduler import Scheduler
 
-__all__ = ["LLM", "LLMEngine", "RequestMetrics", "RequestOutput", "Scheduler", "Status"]
+__all__ = ["LLM", "EngineConfig", "LLMEngine", "RequestMetrics", "RequestOutput", "Scheduler", "Status"]

@@ -15,7 +15,7 @@ from tqdm import tqdm
 
 from ..sampling import SamplingParams
 from .llm_engine import LLMEngine
-from .request import RequestMetrics, RequestOutput
+from .request import RequestOutput
 
 
 class LLM:
@@ -56,7 +56,7 @@ class LLM:
             try:
                 self.engine.add_request(rid, ids, p)
             except ValueError as e:
-                results[rid] = _refused(rid, ids, str(e))
+                results[rid] = RequestOutput.failed(rid, ids if isinstance(ids, list) else [], "error", str(e))
         bar = tqdm(total=len(prompts), desc="generate", unit="req", disable=None if use_tqdm else True)
         bar.update(len(results))
         while self.engine.has_unfinished_requests():
@@ -80,11 +80,12 @@ class LLM:
         outs = self.generate([p if isinstance(p, list) else [] for p in prompts], params, use_tqdm)
         for i, p in enumerate(prompts):
             if isinstance(p, ValueError):
-                outs[i] = _refused(outs[i].request_id, [], str(p))
+                outs[i] = RequestOutput.failed(outs[i].request_id, [], "error", str(p))
         return outs
 
     def stream(self, prompt_ids: list[int], params: SamplingParams | None = None) -> Iterator[RequestOutput]:
-        """One request, yielding its RequestOutput after every new token (text grows; the last is finished)."""
+        """One request, yielding its RequestOutput after every new token (new_text: what to show now; the last
+        is finished)."""
         rid = self._next_id()
         self.engine.add_request(rid, prompt_ids, params)
         try:
@@ -96,10 +97,4 @@ class LLM:
                             return
         finally:
             self.engine.abort_request(rid)
-
-
-def _refused(rid: str, ids, message: str) -> RequestOutput:
-    ids = ids if isinstance(ids, list) else []
-    metrics = RequestMetrics(None, None, [], None, None)
-    return RequestOutput(rid, ids, [], "", True, "error", metrics, error=message)
 

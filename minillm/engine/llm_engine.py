@@ -4,27 +4,29 @@
     engine.add_request("a", prompt_ids, SamplingParams(max_tokens=64))
     while engine.has_unfinished_requests():
         for out in engine.step():          # a RequestOutput for each request that got a token or ended
-            print(out.request_id, out.text)
+            print(out.request_id, out.new_text)
 
-A step is: the scheduler picks tokens to compute (scheduler.py), the runner computes them
-in one forward pass (runner.py), and each request that reached its last token samples the
-next one with its own parameters and random stream. One block pool, owned here, lives as
-long as the engine.
+A step is six calls (`step`): the scheduler picks the tokens to compute (scheduler.py), the
+speculator proposes drafts (speculation.py, when on), the runner computes everything in one forward
+pass (runner.py), each request that reached its last token samples with its own parameters and
+random stream, the scheduler applies the results, and the outputs say what is new. The block pool
+lives as long as the engine; only the KV-cache manager (kv/manager.py) changes it.
 """
 from __future__ import annotations
 
 import dataclasses
 import logging
-import time
+from dataclasses import dataclass
 
 import torch
 
-from ..generate import first_stop
+from ..detokenizer import IncrementalDetokenizer
 from ..kv import BlockPool, kv_cache_bytes
+from ..kv.manager import KVCacheManager
+from ..kv.prefix_cache import PrefixCachingPool
 from ..kv.quantized import check_kv_dtype
-from ..kv.prefix_cache import PrefixCachingPool, chain_hashes
 from ..sampling import SamplingParams, sample_next_token
-from .request import Request, RequestMetrics, RequestOutput, Status
+from .request import Request, RequestOutput
 from .runner import ModelRunner
 from .scheduler import ScheduledBatch, Scheduler
 from .speculation import Speculator
@@ -34,50 +36,77 @@ logger = logging.getLogger("minillm")
 DEFAULT_KV_CACHE_MEMORY = 1 << 30   # bytes: 1 GiB, 23,301 tokens of SmolLM2 in float32
 
 
+@dataclass(frozen=True)
+class EngineConfig:
+    """Everything an LLMEngine is built with, besides the model and tokenizer (vLLM's names)."""
+    max_num_seqs: int = 64                  # sequences in one step
+    max_num_batched_tokens: int = 512       # tokens in one step (prompt chunks and decodes)
+    block_size: int = 16                    # tokens per KV block
+    num_blocks: int | None = None           # KV blocks; None: as many as kv_cache_memory holds
+    kv_cache_memory: int | None = None      # bytes for the KV cache; None: DEFAULT_KV_CACHE_MEMORY
+    policy: str = "continuous"              # or "static" (the baseline)
+    enable_chunked_prefill: bool = True
+    max_model_len: int | None = None        # None: the model's context
+    attention: str = "auto"                 # "torch" (gathered pages + SDPA), "triton"; auto: triton on a GPU
+    enable_prefix_caching: bool = True
+    speculative: object = None              # a proposer: "ngram", "layers:N" or a speculative.Proposer
+    num_speculative_tokens: int = 4
+    kv_cache_dtype: str | None = "model"    # None, "int8", "int4"; "model": the model's kv_cache_dtype
+    verbose: bool = True                    # log the KV cache's size at INFO level
+
+
 class LLMEngine:
-    def __init__(self, model, tokenizer, *, max_num_seqs: int = 64, max_num_batched_tokens: int = 512,
-                 block_size: int = 16, num_blocks: int | None = None, kv_cache_memory: int | None = None,
-                 policy: str = "continuous", enable_chunked_prefill: bool = True,
-                 max_model_len: int | None = None, attention: str = "auto", enable_prefix_caching: bool = True,
-                 speculative=None, num_speculative_tokens: int = 4, kv_cache_dtype: str | None = "model",
-                 verbose: bool = True):
+    def __init__(self, model, tokenizer, config: EngineConfig | None = None, *, runner_cls=ModelRunner,
+                 **options):
+        """config, or its fields as keywords. runner_cls(model, pool, attention): what runs the
+        step's forward pass (a tensor-parallel leader passes one that also drives the other ranks;
+        a simulation one that computes nothing)."""
+        self.config = c = dataclasses.replace(config or EngineConfig(), **options)
         cfg = model.cfg
-        kv_dtype = getattr(model, "kv_cache_dtype", None) if kv_cache_dtype == "model" else kv_cache_dtype
+        kv_dtype = getattr(model, "kv_cache_dtype", None) if c.kv_cache_dtype == "model" else c.kv_cache_dtype
         self.model, self.tokenizer = model, tokenizer
-        self.max_model_len = min(max_model_len or cfg.max_seq_len, cfg.max_seq_len)
-        if not enable_chunked_prefill and max_num_batched_tokens < self.max_model_len:
+        self.max_model_len = min(c.max_model_len or cfg.max_seq_len, cfg.max_seq_len)
+        if not c.enable_chunked_prefill and c.max_num_batched_tokens < self.max_model_len:
             raise ValueError(f"without chunked prefill a whole prompt must fit one step: max_num_batched_tokens "
-                             f"({max_num_batched_tokens}) must be >= max_model_len ({self.max_model_len}); "
+                             f"({c.max_num_batched_tokens}) must be >= max_model_len ({self.max_model_len}); "
                              f"raise it, lower max_model_len, or enable chunked prefill")
-        if block_size < 1:
-            raise ValueError(f"block_size must be >= 1; got {block_size}")
+        if c.block_size < 1:
+            raise ValueError(f"block_size must be >= 1; got {c.block_size}")
         check_kv_dtype(kv_dtype)
-        block_bytes = kv_cache_bytes(cfg, block_size, model.dtype, kv_dtype)
+        block_bytes = kv_cache_bytes(cfg, c.block_size, model.dtype, kv_dtype)
+        num_blocks = c.num_blocks
         if num_blocks is None:
-            num_blocks = (DEFAULT_KV_CACHE_MEMORY if kv_cache_memory is None else kv_cache_memory) // block_bytes
+            num_blocks = (DEFAULT_KV_CACHE_MEMORY if c.kv_cache_memory is None else c.kv_cache_memory) // block_bytes
         if num_blocks < 1:
-            raise ValueError(f"the KV cache holds no block: one block of {block_size} tokens takes {block_bytes} "
+            raise ValueError(f"the KV cache holds no block: one block of {c.block_size} tokens takes {block_bytes} "
                              f"bytes; give kv_cache_memory >= {block_bytes} or num_blocks >= 1")
-        pool_cls = PrefixCachingPool if enable_prefix_caching else BlockPool
-        self.pool = pool_cls(cfg, num_blocks, block_size, model.dtype, model.device, kv_dtype)
-        self.prefix_caching = enable_prefix_caching
-        self.capacity_tokens = num_blocks * block_size
+        pool_cls = PrefixCachingPool if c.enable_prefix_caching else BlockPool
+        pool = pool_cls(cfg, num_blocks, c.block_size, model.dtype, model.device, kv_dtype)
+        self.kv = KVCacheManager(pool, log_copies=getattr(runner_cls, "needs_kv_copies", False))
+        self.capacity_tokens = num_blocks * c.block_size
         self.max_len = min(self.max_model_len, self.capacity_tokens)   # longest request that can ever run
-        self.runner = ModelRunner(model, self.pool, attention)
-        self.speculator = None if speculative is None else Speculator(speculative, self.runner, num_speculative_tokens)
-        self.scheduler = Scheduler(self.pool, max_num_seqs, max_num_batched_tokens, policy, enable_chunked_prefill,
-                                   prefix_caching=enable_prefix_caching, max_len=self.max_len,
-                                   num_speculative_tokens=num_speculative_tokens if self.speculator else 0)
+        self.runner = runner_cls(model, pool, c.attention)
+        self.speculator = None if c.speculative is None else Speculator(c.speculative, self.runner,
+                                                                          c.num_speculative_tokens)
+        self.scheduler = Scheduler(self.kv, c.max_num_seqs, c.max_num_batched_tokens, c.policy,
+                                   c.enable_chunked_prefill, max_len=self.max_len,
+                                   num_speculative_tokens=c.num_speculative_tokens if self.speculator else 0)
         self.requests: dict[str, Request] = {}
         self._aborted: list[Request] = []
+        self.last_batch: ScheduledBatch | None = None
         self.tokens_last_step = 0
         self.num_steps = 0
-        say = logger.info if verbose else logger.debug
+        say = logger.info if c.verbose else logger.debug
         say("KV cache: %d blocks x %d tokens = %d tokens (%.0f MiB, %s); %s batching, %d tokens and %d sequences "
-            "per step; prefix caching %s; speculative decoding %s", num_blocks, block_size, self.capacity_tokens, num_blocks * block_bytes / 2**20,
-            kv_dtype or str(model.dtype).removeprefix("torch."), policy, max_num_batched_tokens, max_num_seqs,
-            "on" if enable_prefix_caching else "off",
-            f"{self.speculator.proposer.name}, k={num_speculative_tokens}" if self.speculator else "off")
+            "per step; prefix caching %s; speculative decoding %s", num_blocks, c.block_size, self.capacity_tokens,
+            num_blocks * block_bytes / 2**20, kv_dtype or str(model.dtype).removeprefix("torch."), c.policy,
+            c.max_num_batched_tokens, c.max_num_seqs, "on" if c.enable_prefix_caching else "off",
+            f"{self.speculator.proposer.name}, k={c.num_speculative_tokens}" if self.speculator else "off")
+
+    @property
+    def pool(self) -> BlockPool:
+        """The block pool, to look at (it changes through `self.kv` only)."""
+        return self.kv.pool
 
     # ------------------------------------------------------------ requests in
     def add_request(self, request_id, prompt_ids, params: SamplingParams | None = None,
@@ -97,16 +126,21 @@ class LLMEngine:
         if any(i in self.requests for i in ids):
             raise ValueError(f"request id {request_id!r} is already in use by an unfinished request")
         prompt = self.check_prompt(prompt_ids)
-        req = Request(request_id, prompt, params)
+        req = self._new_request(request_id, prompt, params)
         if arrival_time is not None:
             req.arrival_time = arrival_time
-        req.decoder = self.tokenizer.stream_decoder()
         req.cache_salt = cache_salt
-        req.forks = [(rid, params if params.seed is None else dataclasses.replace(params, seed=params.seed + i))
+        req.forks = [self._new_request(rid, prompt, params if params.seed is None else
+                                       dataclasses.replace(params, seed=params.seed + i),
+                                       arrival_time=req.arrival_time, cache_salt=cache_salt)
                      for i, rid in enumerate(ids[1:], 1)]
         self.requests[request_id] = req
         self.scheduler.add(req)
         return ids
+
+    def _new_request(self, request_id, prompt: list[int], params: SamplingParams, **fields) -> Request:
+        detok = IncrementalDetokenizer(self.tokenizer, params, min(params.max_tokens, self.max_len - len(prompt)))
+        return Request(request_id, prompt, params, output=detok, **fields)
 
     def check_prompt(self, prompt_ids) -> list[int]:
         """The prompt as a list of ints, or ValueError saying what is wrong with it (the server asks first)."""
@@ -137,8 +171,7 @@ class LLMEngine:
         self.scheduler.finish(req)
         req.finish("abort")
         self._aborted.append(req)
-        for rid, params in req.forks:                 # samples not forked yet end with it
-            kid = Request(rid, req.prompt_token_ids, params)
+        for kid in req.forks:                         # samples not forked yet end with it
             kid.finish("abort")
             self._aborted.append(kid)
         req.forks = []
@@ -150,136 +183,57 @@ class LLMEngine:
 
     # ------------------------------------------------------------ one step
     def step(self) -> list[RequestOutput]:
-        """Schedule, run one forward pass, sample. Returns an output for every request that got a
+        """Schedule, propose, execute, sample, update. Returns an output for every request that got a
         token or finished in this step (aborted requests are reported at the next step)."""
-        return self._execute(self.scheduler.schedule())
-
-    def _execute(self, batch: ScheduledBatch) -> list[RequestOutput]:
         outputs = [self._output(r) for r in self._aborted]
         self._aborted = []
+        batch = self.last_batch = self.scheduler.schedule()
         if self.speculator is not None:
-            self.speculator.propose(batch)                                  # drafts after sampled tokens
+            self.speculator.propose(batch)                              # drafts after sampled tokens
         self.tokens_last_step = batch.total_tokens
-        if not batch.requests:
-            return self._forget(outputs)
-        logits = self.runner.execute(batch)                                  # (M, vocab)
-        now = time.perf_counter()
-        self.num_steps += 1
-        done, rows, row = [], [], 0
-        for req, n in zip(batch.requests, batch.num_new_tokens):
-            d = len(req.spec_token_ids)
-            req.num_computed_tokens += n - d                                 # drafts count once accepted
-            if req.num_computed_tokens == req.num_tokens:
-                done.append(req)
-                rows.append((row, 1 + d))
-                for kid in self._fork(req) if req.forks else ():   # n > 1: the samples share the prompt
-                    done.append(kid)
-                    rows.append((row, 1))
-                row += 1 + d
-            else:
-                self._register_full_blocks(req)
-        plain = [i for i, r in enumerate(done) if not r.spec_token_ids]
-        sampled = dict(zip(plain, self._sample(logits[[rows[i][0] for i in plain]], [done[i] for i in plain])))
-        for i, req in enumerate(done):
-            if i in sampled:
-                new = [] if sampled[i] is None else [sampled[i]]
-            else:
-                start, m = rows[i]
-                new = self.speculator.verify(req, logits[start:start + m])
-                req.num_computed_tokens += len(new) - 1                      # the accepted drafts' K/V stay
-            if self.pool.lengths[req.request_id] > req.num_computed_tokens:  # rejected drafts, unused room
-                self.pool.truncate(req.request_id, req.num_computed_tokens)
-            for j, token in enumerate(new):
-                kept = len(req.output_token_ids)
-                self._append(req, token, now)
-                if req.logprobs is not None and len(req.output_token_ids) > kept:
-                    req.logprobs.append(_logprobs(logits[rows[i][0] + j], token, req.params.logprobs))
-                if req.finished:
-                    break
-            self._register_full_blocks(req)
-            if req.finished:
-                self.scheduler.finish(req)
-            outputs.append(self._output(req))
+        if batch.requests:
+            logits = self.runner.execute(batch)                         # (len(batch.logit_rows), vocab)
+            sampled = self._sample(batch, logits)
+            for req in self.scheduler.update_from_output(batch, sampled):
+                self.requests.setdefault(req.request_id, req)           # (a sample forked off in this step)
+                outputs.append(self._output(req))
+            self.num_steps += 1
         return self._forget(outputs)
 
-    def _fork(self, parent: Request) -> list[Request]:
-        """The prompt of an n > 1 request is computed: its samples start, sharing every block of it."""
-        kids = []
-        for rid, params in parent.forks:
-            kid = Request(rid, parent.prompt_token_ids, params, arrival_time=parent.arrival_time)
-            kid.decoder, kid.cache_salt = self.tokenizer.stream_decoder(), parent.cache_salt
-            kid.first_scheduled_time, kid.status = parent.first_scheduled_time, Status.RUNNING
-            kid.num_computed_tokens, kid.num_cached_tokens = parent.num_computed_tokens, parent.num_cached_tokens
-            kid.block_hashes, kid.num_hashed_blocks = list(parent.block_hashes), parent.num_hashed_blocks
-            self.pool.fork(parent.request_id, rid)             # no copy: the blocks' refcounts go up
-            self.scheduler.running.append(kid)
-            self.requests[rid] = kid
-            kids.append(kid)
-        parent.forks = []
-        return kids
-
-    def _register_full_blocks(self, req: Request) -> None:
-        """Blocks that are now full of computed K/V become findable by content (prompt and answer alike,
-        so a chat's next turn finds its history)."""
-        if not self.prefix_caching:
-            return
-        bs = self.pool.block_size
-        full = min(req.num_computed_tokens, req.num_tokens) // bs    # (tokens after an accepted EOS are not kept)
-        if full <= req.num_hashed_blocks:
-            return
-        tokens = req.token_slice(0, full * bs)
-        req.block_hashes = chain_hashes(tokens, bs, req.cache_salt, req.block_hashes)
-        table = self.pool.tables[req.request_id]
-        for j in range(req.num_hashed_blocks, full):
-            self.pool.register(table[j], req.block_hashes[j], tokens[j * bs:(j + 1) * bs])
-        req.num_hashed_blocks = full
-
-    def _sample(self, logits: torch.Tensor, reqs: list[Request]) -> list[int | None]:
-        """Greedy rows in one argmax; sampled rows each with their own parameters and generator.
-        A row that fails (say, NaN logits) ends its request with finish_reason "error"; the rest go on."""
-        tokens: list[int | None] = [None] * len(reqs)
-        greedy = [i for i, r in enumerate(reqs) if r.params.greedy]
+    def _sample(self, batch: ScheduledBatch, logits: torch.Tensor) -> list[tuple[list[int], list | None]]:
+        """For each of batch.samples: its new tokens (drafts verified: the accepted ones and one more)
+        and, if asked for, their logprobs. Greedy rows in one argmax; sampled rows each with their own
+        parameters and generator. A row that fails (say, NaN logits) ends its request with
+        finish_reason "error" and no tokens; the rest go on."""
+        samples = batch.samples
+        tokens: list[list[int]] = [[] for _ in samples]
+        plain = [i for i, (r, _, m) in enumerate(samples) if m == 1]
+        greedy = [i for i in plain if samples[i][0].params.greedy]
         if greedy:
-            for i, t in zip(greedy, logits[greedy].argmax(dim=-1).tolist()):
-                tokens[i] = t
-        for i, r in enumerate(reqs):
+            rows = [samples[i][1] for i in greedy]
+            for i, t in zip(greedy, logits[rows].argmax(dim=-1).tolist()):
+                tokens[i] = [t]
+        for i in plain:
+            r, row, _ = samples[i]
             if not r.params.greedy:
                 try:
-                    tokens[i] = int(sample_next_token(logits[i:i + 1], r.params, r.generator)[0])
+                    tokens[i] = [int(sample_next_token(logits[row:row + 1], r.params, r.generator)[0])]
                 except RuntimeError as e:
                     r.error = f"sampling failed: {e}"
                     r.finish("error")
-        return tokens
-
-    def _append(self, req: Request, token: int, now: float) -> None:
-        """Record a sampled token; finish the request on a stop token, a stop string, or its length."""
-        p = req.params
-        req.token_times.append(now)
-        if not p.ignore_eos and token in self.tokenizer.stop_ids:
-            req.text += req.decoder.flush()
-            req.finish("stop", now)
-            return
-        req.output_token_ids.append(token)
-        before = len(req.text)
-        req.text += req.decoder.push(token)
-        if p.stop:
-            longest = max(map(len, p.stop))
-            cut = first_stop(req.text[max(0, before - longest + 1):], p.stop)
-            if cut >= 0:
-                req.text = req.text[:max(0, before - longest + 1) + cut]
-                req.finish("stop", now)
-                return
-        if len(req.output_token_ids) >= p.max_tokens or req.num_tokens >= self.max_len:
-            req.text += req.decoder.flush()
-            req.finish("length", now)
+        for i, (r, row, m) in enumerate(samples):
+            if m > 1:
+                tokens[i] = self.speculator.verify(r, logits[row:row + m])
+        return [(new, None if r.logprobs is None else
+                 [_logprobs(logits[row + j], t, r.params.logprobs) for j, t in enumerate(new)])
+                for new, (r, row, _) in zip(tokens, samples)]
 
     def _output(self, req: Request) -> RequestOutput:
-        text = req.text
-        if not req.finished and req.params.stop:   # hold back what could be the start of a stop string
-            text = text[:max(0, len(text) - max(map(len, req.params.stop)) + 1)]
-        return RequestOutput(req.request_id, req.prompt_token_ids, list(req.output_token_ids), text, req.finished,
-                             req.finish_reason, RequestMetrics.of(req), req.num_preemptions, req.error,
-                             req.num_cached_tokens, None if req.logprobs is None else list(req.logprobs))
+        """What is new since the request's last output (tokens, showable text), and where it stands."""
+        new_text = req.output.take(everything=req.finished)
+        new_tokens = len(req.output_token_ids) - req.num_reported_tokens
+        req.num_reported_tokens = len(req.output_token_ids)
+        return RequestOutput.of(req, new_tokens, new_text)
 
     def _forget(self, outputs: list[RequestOutput]) -> list[RequestOutput]:
         for o in outputs:
@@ -289,11 +243,11 @@ class LLMEngine:
 
     # ------------------------------------------------------------ state
     def stats(self) -> dict:
-        s, pool, sp = self.scheduler, self.pool, self.speculator
+        s, kv, pool, sp = self.scheduler, self.kv, self.pool, self.speculator
         return {"running": len(s.running), "waiting": len(s.waiting), "num_preemptions": s.num_preemptions,
                 "kv_blocks_used": pool.num_blocks - pool.num_free_blocks, "kv_blocks_total": pool.num_blocks,
                 "tokens_last_step": self.tokens_last_step, "num_steps": self.num_steps,
-                "prefix_cache_queries": s.prefix_cache_queries, "prefix_cache_hits": s.prefix_cache_hits,
+                "prefix_cache_queries": kv.prefix_cache_queries, "prefix_cache_hits": kv.prefix_cache_hits,
                 "prefix_cache_evictions": getattr(pool, "num_evictions", 0),
                 "spec_drafts": sp.num_drafts if sp else 0, "spec_draft_tokens": sp.num_draft_tokens if sp else 0,
                 "spec_accepted_tokens": sp.num_accepted_tokens if sp else 0}

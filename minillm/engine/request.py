@@ -19,6 +19,7 @@ from dataclasses import dataclass, field
 
 import torch
 
+from ..detokenizer import IncrementalDetokenizer
 from ..sampling import SamplingParams, make_generator
 
 
@@ -40,16 +41,15 @@ class Request:
     status: Status = Status.WAITING
     finish_reason: str | None = None
     error: str | None = None                    # what went wrong, for finish_reason "error"
-    output_token_ids: list[int] = field(default_factory=list)
+    output: IncrementalDetokenizer | None = None   # its tokens, text and stop rule (detokenizer.py)
     num_computed_tokens: int = 0
-    text: str = ""                              # decoded output (a stop string cut off at the end)
+    num_reported_tokens: int = 0                # output tokens already in a RequestOutput
     # monotonic timestamps (time.perf_counter): arrival, first scheduled, each new token, finish
     first_scheduled_time: float | None = None
     token_times: list[float] = field(default_factory=list)
     finish_time: float | None = None
     num_preemptions: int = 0
     generator: torch.Generator | None = None    # its own random stream: same seed, same tokens in any batch
-    decoder: object = None                      # the tokenizer's StreamDecoder for this request
     # prefix caching (kv/prefix_cache.py)
     cache_salt: str | None = None               # extra key in the first block's address: caches kept apart
     block_hashes: list[bytes] = field(default_factory=list)   # content addresses of its full blocks so far
@@ -68,6 +68,10 @@ class Request:
             self.generator = make_generator(self.params.seed)
         if self.params.logprobs is not None:
             self.logprobs = []
+
+    @property
+    def output_token_ids(self) -> list[int]:
+        return self.output.token_ids
 
     @property
     def all_token_ids(self) -> list[int]:
@@ -115,27 +119,78 @@ class RequestMetrics:
     e2e_s: float | None
 
     @classmethod
-    def of(cls, r: Request) -> "RequestMetrics":
-        t = r.token_times
+    def of(cls, r: Request, num_times: int | None = None, finish_time: float | None = None) -> "RequestMetrics":
+        """r's metrics over its first num_times token times (default: all), finished at finish_time."""
+        t = r.token_times if num_times is None else r.token_times[:num_times]
+        finish_time = r.finish_time if num_times is None else finish_time
         queue = None if r.first_scheduled_time is None else r.first_scheduled_time - r.arrival_time
         ttft = t[0] - r.arrival_time if t else None
-        e2e = None if r.finish_time is None else r.finish_time - r.arrival_time
+        e2e = None if finish_time is None else finish_time - r.arrival_time
         tpot = (e2e - ttft) / (len(t) - 1) if e2e is not None and ttft is not None and len(t) > 1 else None
         return cls(queue, ttft, [b - a for a, b in zip(t, t[1:])], tpot, e2e)
 
 
+NO_METRICS = RequestMetrics(None, None, [], None, None)
+
+
 @dataclass(slots=True)
 class RequestOutput:
-    """What a request has produced so far: `token_ids` and `text` hold everything generated
-    (text never ends in half a character or in the start of a stop string)."""
+    """What a request produced in one step, and in all so far.
+
+    new_token_ids, new_text (and new_logprobs): what is new since the request's last output (a delta:
+    the cost of an output does not grow with the answer). token_ids, text, logprobs and metrics: the
+    whole answer so far, built only when read. Text never ends in half a character or in what could
+    be the start of a stop string.
+    """
     request_id: str
     prompt_token_ids: list[int]
-    token_ids: list[int]
-    text: str
+    new_token_ids: list[int]
+    new_text: str
     finished: bool
     finish_reason: str | None
-    metrics: RequestMetrics
     num_preemptions: int = 0
     error: str | None = None
     num_cached_tokens: int = 0     # prompt tokens whose K/V came from the prefix cache
-    logprobs: list[tuple[float, list[tuple[int, float]]]] | None = None   # see Request.logprobs
+    new_logprobs: list[tuple[float, list[tuple[int, float]]]] | None = None   # see Request.logprobs
+    # the request and where it stood: outputs, logprobs and token times only ever grow, so a prefix is fixed
+    _request: Request | None = None
+    _num_tokens: int = 0
+    _text: str = ""
+    _text_len: int = 0
+    _num_times: int = 0
+    _finish_time: float | None = None
+
+    @classmethod
+    def of(cls, r: Request, new_tokens: int, new_text: str) -> "RequestOutput":
+        """r now, its last new_tokens tokens and new_text being new."""
+        out, n = r.output, len(r.output.token_ids)
+        new_lp = None if r.logprobs is None else r.logprobs[len(r.logprobs) - new_tokens:]
+        return cls(r.request_id, r.prompt_token_ids, out.token_ids[n - new_tokens:], new_text, r.finished,
+                   r.finish_reason, r.num_preemptions, r.error, r.num_cached_tokens, new_lp,
+                   r, n, out.text, out.visible_len if not r.finished else len(out.text), len(r.token_times),
+                   r.finish_time)
+
+    @classmethod
+    def failed(cls, request_id: str, prompt_token_ids: list[int], reason: str, message: str) -> "RequestOutput":
+        """A request that ends before it runs (refused, or the server stopping): no tokens."""
+        return cls(request_id, prompt_token_ids, [], "", True, reason, error=message)
+
+    @property
+    def token_ids(self) -> list[int]:
+        return [] if self._request is None else self._request.output_token_ids[:self._num_tokens]
+
+    @property
+    def text(self) -> str:
+        return self._text[:self._text_len]
+
+    @property
+    def logprobs(self) -> list[tuple[float, list[tuple[int, float]]]] | None:
+        if self._request is None or self._request.logprobs is None:
+            return None
+        return self._request.logprobs[:self._num_tokens]
+
+    @property
+    def metrics(self) -> RequestMetrics:
+        if self._request is None:
+            return NO_METRICS
+        return RequestMetrics.of(self._request, self._num_times, self._finish_time)

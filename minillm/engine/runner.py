@@ -59,17 +59,14 @@ class ModelRunner:
     def execute(self, batch: ScheduledBatch) -> torch.Tensor:
         """Run the step; logits (M, vocab) in batch order: for each request whose tokens are now all
         computed, its last token's row, or with drafts, 1 + len(drafts) rows (its sampled token, each draft)."""
-        ids, positions, logit_rows, q_lens, k_lens, reqs = [], [], [], [], [], []
+        ids, positions, q_lens, k_lens = [], [], [], []
         for req, n in zip(batch.requests, batch.num_new_tokens):
             start, d = req.num_computed_tokens, len(req.spec_token_ids)
             ids += req.token_slice(start, start + n - d) + req.spec_token_ids
             positions += range(start, start + n)
             q_lens.append(n)
             k_lens.append(start + n)
-            reqs.append(req)
-            if start + n - d == req.num_tokens:
-                logit_rows += range(len(ids) - 1 - d, len(ids))
-        return self.forward(ids, positions, reqs, q_lens, k_lens, logit_rows)
+        return self.forward(ids, positions, batch.requests, q_lens, k_lens, batch.logit_rows)
 
     @torch.inference_mode()
     def draft_step(self, reqs, tokens: list[int], positions: list[int], n_layers: int) -> torch.Tensor:

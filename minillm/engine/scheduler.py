@@ -26,6 +26,11 @@ same pass (`engine/speculation.py`). Drafts count against the budget like any to
 fit the budget, the request's max_tokens and the context, and to nothing before they would cost a
 preemption.
 
+After the step's forward pass and sampling, `update_from_output` applies the results: it alone moves
+`num_computed_tokens`, forks the samples of an n > 1 request when its prompt is done, accepts drafts
+or rolls them back, appends the new tokens and finishes requests. Blocks change only through the
+KV-cache manager (`kv/manager.py`).
+
 `policy="static"` is the baseline: admit a whole batch (up to `max_num_seqs` whose
 tokens fit the pool) when nothing is running, run it until its last request ends, and
 only then admit the next. The slots of finished requests stay empty meanwhile: the
@@ -37,8 +42,7 @@ import time
 from collections import deque
 from dataclasses import dataclass, field
 
-from ..kv import BlockPool
-from ..kv.prefix_cache import chain_hashes
+from ..kv.manager import KVCacheManager
 from .request import Request, Status
 
 POLICIES = ("continuous", "static")
@@ -52,6 +56,7 @@ class ScheduledBatch:
     num_new_tokens: list[int] = field(default_factory=list)
     num_spec_slots: list[int] = field(default_factory=list)   # of num_new_tokens, room for drafts
     preempted: list[Request] = field(default_factory=list)
+    _rows: tuple | None = None
 
     @property
     def total_tokens(self) -> int:
@@ -62,26 +67,50 @@ class ScheduledBatch:
         self.num_new_tokens.append(n)
         self.num_spec_slots.append(spec)
 
+    @property
+    def logit_rows(self) -> list[int]:
+        """Which of the step's packed tokens need logits: for each request whose tokens are all computed
+        after this step, its last token, or with drafts, its sampled token and each draft."""
+        return self._plan()[0]
+
+    @property
+    def samples(self) -> list[tuple[Request, int, int]]:
+        """(request, first row, rows) of the logits for every request that samples in this step; the
+        samples of an n > 1 request whose prompt ends here share its row."""
+        return self._plan()[1]
+
+    def _plan(self) -> tuple:
+        """Computed once, on first use (after the drafts are proposed)."""
+        if self._rows is None:
+            rows, samples, packed = [], [], 0
+            for req, n in zip(self.requests, self.num_new_tokens):
+                d = len(req.spec_token_ids)
+                packed += n
+                if req.num_computed_tokens + n - d == req.num_tokens:
+                    samples.append((req, len(rows), 1 + d))
+                    samples += [(kid, len(rows), 1) for kid in req.forks]
+                    rows += range(packed - 1 - d, packed)
+            self._rows = (rows, samples)
+        return self._rows
+
 
 class Scheduler:
-    def __init__(self, pool: BlockPool, max_num_seqs: int = 64, max_num_batched_tokens: int = 512,
-                 policy: str = "continuous", enable_chunked_prefill: bool = True, prefix_caching: bool = False,
+    def __init__(self, kv: KVCacheManager, max_num_seqs: int = 64, max_num_batched_tokens: int = 512,
+                 policy: str = "continuous", enable_chunked_prefill: bool = True,
                  num_speculative_tokens: int = 0, max_len: int | None = None):
         if policy not in POLICIES:
             raise ValueError(f"policy must be one of {POLICIES}; got {policy!r}")
         if max_num_seqs < 1 or max_num_batched_tokens < 1:
             raise ValueError(f"max_num_seqs and max_num_batched_tokens must be >= 1; "
                              f"got {max_num_seqs}, {max_num_batched_tokens}")
-        self.pool, self.policy = pool, policy
+        self.kv, self.policy = kv, policy
         self.max_num_seqs, self.max_num_batched_tokens = max_num_seqs, max_num_batched_tokens
         self.chunked = enable_chunked_prefill
-        self.prefix_caching = prefix_caching
         self.num_speculative_tokens = num_speculative_tokens
-        self.max_len = max_len or pool.num_blocks * pool.block_size
+        self.max_len = max_len or kv.pool.num_blocks * kv.block_size
         self.waiting: deque[Request] = deque()
         self.running: list[Request] = []        # in order of admission
         self.num_preemptions = 0
-        self.prefix_cache_queries = self.prefix_cache_hits = 0     # tokens looked up / found
 
     # ------------------------------------------------------------ queue changes
     def add(self, req: Request) -> None:
@@ -91,7 +120,7 @@ class Scheduler:
         """Take a request out of the queues and give back its blocks (finished or aborted)."""
         if req in self.running:
             self.running.remove(req)
-            self.pool.free_seq(req.request_id)
+            self.kv.free(req)
         elif req in self.waiting:
             self.waiting.remove(req)
 
@@ -117,7 +146,7 @@ class Scheduler:
                 budget -= 1 + spec
                 i += 1
                 continue
-            while not self.pool.can_append(req.request_id, n):
+            while not self.kv.can_append(req, n):
                 victim = self.running.pop()                  # the most recently admitted
                 self._preempt(victim)
                 batch.preempted.append(victim)
@@ -132,9 +161,9 @@ class Scheduler:
         if self.policy == "continuous" and not batch.preempted:
             while self.waiting and budget > 0 and len(self.running) < self.max_num_seqs:
                 req = self.waiting[0]
-                cached = self._cached_prefix(req)
-                n = self._tokens_for(req, budget, len(cached) * self.pool.block_size)
-                if n == 0 or self._blocks_to_admit(req, cached, n) > self.pool.num_free_blocks:
+                cached = self.kv.computed_blocks(req)
+                n = self._tokens_for(req, budget, len(cached) * self.kv.block_size)
+                if n == 0 or self.kv.blocks_to_admit(req, cached, n) > self.kv.num_free_blocks:
                     break                                    # first come, first served: no overtaking
                 self._admit(cached)
                 self._start(req, n, batch)
@@ -157,19 +186,19 @@ class Scheduler:
             return 0
         spec = min(self.num_speculative_tokens, budget - 1,
                    req.params.max_tokens - len(req.output_token_ids) - 1, self.max_len - req.num_tokens - 1)
-        while spec > 0 and not self.pool.can_append(req.request_id, 1 + spec):
+        while spec > 0 and not self.kv.can_append(req, 1 + spec):
             spec -= 1
         return max(spec, 0)
 
     def _start(self, req: Request, n: int, batch: ScheduledBatch, spec: int = 0) -> None:
-        self.pool.grow(req.request_id, n)                    # room for the n new tokens' K/V
+        self.kv.append(req, n)                               # room for the n new tokens' K/V
         if req.first_scheduled_time is None:
             req.first_scheduled_time = time.perf_counter()
         batch.add(req, n, spec)
 
     def _preempt(self, req: Request) -> None:
         """Free the blocks; recompute prompt + output later. The output so far is kept."""
-        self.pool.free_seq(req.request_id)
+        self.kv.free(req)
         req.status, req.num_computed_tokens = Status.WAITING, 0
         req.num_preemptions += 1
         self.num_preemptions += 1
@@ -178,11 +207,11 @@ class Scheduler:
     def _admit_static_batch(self) -> None:
         """Static batching: take up to max_num_seqs requests from the queue whose whole
         prompts (and outputs so far) fit in the free blocks; they run until the last ends."""
-        free = self.pool.num_free_blocks
+        free = self.kv.num_free_blocks
         while self.waiting and len(self.running) < self.max_num_seqs:
             req = self.waiting[0]
-            cached = self._cached_prefix(req)
-            need = self._blocks_to_admit(req, cached, req.num_tokens - len(cached) * self.pool.block_size)
+            cached = self.kv.computed_blocks(req)
+            need = self.kv.blocks_to_admit(req, cached, req.num_tokens - len(cached) * self.kv.block_size)
             if need > free and self.running:
                 break
             free -= need
@@ -191,30 +220,56 @@ class Scheduler:
     def _admit(self, cached: list[int]) -> None:
         """The head of the queue starts running, holding `cached` (its prefix found in the cache)."""
         req = self.waiting.popleft()
-        self.pool.allocate(req.request_id, 0)
-        if cached:
-            self.pool.share(req.request_id, cached)
-        bs = self.pool.block_size
-        req.num_computed_tokens = req.num_cached_tokens = len(cached) * bs
-        req.num_hashed_blocks = len(cached)
-        if self.prefix_caching:
-            self.prefix_cache_queries += req.num_tokens
-            self.prefix_cache_hits += len(cached) * bs
+        req.num_computed_tokens = req.num_cached_tokens = self.kv.admit(req, cached)
         req.status = Status.RUNNING
         self.running.append(req)
 
-    def _cached_prefix(self, req: Request) -> list[int]:
-        """Blocks of the cache holding the longest prefix of req's tokens, at most all but the block
-        of its last token (that one is computed: its logits are needed, and cached blocks are never written)."""
-        if not self.prefix_caching:
-            return []
-        bs, tokens = self.pool.block_size, req.all_token_ids
-        usable = (len(tokens) - 1) // bs
-        req.block_hashes = chain_hashes(tokens[:usable * bs], bs, req.cache_salt, req.block_hashes)
-        return self.pool.lookup(req.block_hashes[:usable], tokens)
+    # ------------------------------------------------------------ after the step
+    def update_from_output(self, batch: ScheduledBatch,
+                           sampled: list[tuple[list[int], list | None]]) -> list[Request]:
+        """Apply a step: sampled[i] = (new tokens, their logprobs or None) of batch.samples[i] (for a
+        request with drafts: the accepted drafts and one more token). Returns the requests that got
+        tokens or finished, in batch order (the samples of an n > 1 request after it)."""
+        now = time.perf_counter()
+        result = {id(req): s for (req, _, _), s in zip(batch.samples, sampled)}
+        advanced = []
+        for req, n in zip(batch.requests, batch.num_new_tokens):
+            req.num_computed_tokens += n - len(req.spec_token_ids)     # drafts count once accepted
+            if req.num_computed_tokens < req.num_tokens:                # a prompt chunk: nothing sampled
+                self.kv.cache_full_blocks(req)
+                continue
+            kids = self._fork(req) if req.forks else []
+            for r in [req, *kids]:
+                self._accept(r, *result[id(r)], now)
+                advanced.append(r)
+        return advanced
 
-    def _blocks_to_admit(self, req: Request, cached: list[int], n: int) -> int:
-        """Free blocks that admitting req with `cached` and computing n tokens takes."""
-        held = len(cached) * self.pool.block_size
-        new = self.pool.blocks_for(held + n) - len(cached)
-        return new + (self.pool.blocks_to_reuse(cached) if cached else 0)
+    def _fork(self, parent: Request) -> list[Request]:
+        """The prompt of an n > 1 request is computed: its samples start, sharing every block of it."""
+        kids, parent.forks = parent.forks, []
+        for kid in kids:
+            kid.first_scheduled_time, kid.status = parent.first_scheduled_time, Status.RUNNING
+            kid.num_computed_tokens, kid.num_cached_tokens = parent.num_computed_tokens, parent.num_cached_tokens
+            self.kv.fork(parent, kid)
+            self.running.append(kid)
+        return kids
+
+    def _accept(self, req: Request, new: list[int], logprobs, now: float) -> None:
+        """req's new tokens: keep the accepted drafts' K/V and forget the rest, append the tokens until
+        the request ends (its detokenizer says when), cache the blocks now full, finish it."""
+        if req.spec_token_ids:
+            req.num_computed_tokens += len(new) - 1                  # the accepted drafts' K/V stay
+            req.spec_token_ids, req.spec_probs = [], None
+        self.kv.truncate(req, req.num_computed_tokens)               # rejected drafts, unused room
+        for j, token in enumerate(new):
+            kept = len(req.output_token_ids)
+            req.token_times.append(now)
+            req.output.push(token)
+            if logprobs is not None and len(req.output_token_ids) > kept:
+                req.logprobs.append(logprobs[j])
+            if req.output.done:
+                req.finish(req.output.finish_reason, now)
+                break
+        self.kv.cache_full_blocks(req)
+        if req.finished:
+            self.finish(req)

@@ -33,12 +33,11 @@ class SimStep:
 class _NullRunner:
     """Returns logits that pick token 1 for every request that samples; computes nothing."""
 
-    def __init__(self, vocab: int):
-        self.vocab = vocab
+    def __init__(self, model, pool, attention):
+        self.vocab = model.cfg.vocab_size
 
     def execute(self, batch):
-        rows = sum(r.num_computed_tokens + n == r.num_tokens for r, n in zip(batch.requests, batch.num_new_tokens))
-        logits = torch.zeros(rows, self.vocab)
+        logits = torch.zeros(len(batch.logit_rows), self.vocab)
         logits[:, 1] = 1.0
         return logits
 
@@ -58,8 +57,7 @@ def simulate(prompt_lens: list[int], output_lens: list[int], arrival_steps: list
     model = SimpleNamespace(cfg=cfg, dtype=torch.float32, device=torch.device("meta"))   # a pool of no memory
     engine_options.setdefault("kv_cache_memory", 1 << 30)
     engine_options.setdefault("enable_prefix_caching", False)      # the stand-in prompts are all alike
-    engine = LLMEngine(model, _NullTokenizer(), verbose=False, **engine_options)
-    engine.runner = _NullRunner(cfg.vocab_size)
+    engine = LLMEngine(model, _NullTokenizer(), verbose=False, runner_cls=_NullRunner, **engine_options)
     arrivals = arrival_steps or [0] * len(prompt_lens)
     order = sorted(range(len(prompt_lens)), key=lambda i: arrivals[i])
     steps: list[SimStep] = []
@@ -70,9 +68,8 @@ def simulate(prompt_lens: list[int], output_lens: list[int], arrival_steps: list
             engine.add_request(str(i), [1] * prompt_lens[i], SamplingParams(max_tokens=output_lens[i], ignore_eos=True))
             nxt += 1
         preempted = engine.stats()["num_preemptions"]
-        batch = engine.scheduler.schedule()
-        engine._execute(batch)                                  # = engine.step(), keeping the batch to look at
-        st = engine.stats()
+        engine.step()
+        batch, st = engine.last_batch, engine.stats()
         steps.append(SimStep({r.request_id: n for r, n in zip(batch.requests, batch.num_new_tokens)},
                              st["running"], st["waiting"], st["num_preemptions"] - preempted))
     return steps

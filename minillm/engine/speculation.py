@@ -85,5 +85,4 @@ class Speculator:
         self.num_drafts += 1
         self.num_draft_tokens += len(drafts)
         self.num_accepted_tokens += len(new) - 1
-        req.spec_token_ids, req.spec_probs = [], None
-        return new
+        return new                         # (the scheduler's update keeps the accepted drafts' K/V)

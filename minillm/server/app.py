@@ -238,9 +238,9 @@ class _Shape:
         return {"prompt_tokens": self.prompt_tokens, "completion_tokens": completion_tokens,
                 "total_tokens": self.prompt_tokens + completion_tokens}
 
-    def logprobs(self, out, start: int = 0):
-        """Chat's logprobs object for the tokens from `start` on (None when not asked for)."""
-        if out.logprobs is None:
+    def logprobs(self, token_ids, logprobs):
+        """Chat's logprobs object for these tokens (None when not asked for)."""
+        if logprobs is None:
             return None
 
         def entry(tid, lp):
@@ -248,19 +248,20 @@ class _Shape:
             return {"token": b.decode("utf-8", errors="replace"), "logprob": lp, "bytes": list(b)}
 
         return {"content": [{**entry(t, lp), "top_logprobs": [entry(i, v) for i, v in top]}
-                            for t, (lp, top) in zip(out.token_ids[start:], out.logprobs[start:])]}
+                            for t, (lp, top) in zip(token_ids, logprobs)]}
 
     def choice(self, index: int, out) -> dict:
         if self.chat:
             return {"index": index, "message": {"role": "assistant", "content": out.text},
-                    "logprobs": self.logprobs(out), "finish_reason": out.finish_reason}
+                    "logprobs": self.logprobs(out.token_ids, out.logprobs), "finish_reason": out.finish_reason}
         return {"index": index, "text": out.text, "logprobs": None, "finish_reason": out.finish_reason}
 
-    def delta(self, index: int, text: str, out, start: int, first: bool) -> dict:
-        reason = out.finish_reason if out.finished else None
+    def delta(self, index: int, out, first: bool, token_ids: list[int], logprobs) -> dict:
+        """A chunk's choice: the output's new text, with the tokens (and logprobs) since the last chunk."""
+        reason, text = out.finish_reason if out.finished else None, out.new_text
         if self.chat:
             d = {"role": "assistant", "content": text} if first else ({"content": text} if text else {})
-            return {"index": index, "delta": d, "logprobs": self.logprobs(out, start), "finish_reason": reason}
+            return {"index": index, "delta": d, "logprobs": self.logprobs(token_ids, logprobs), "finish_reason": reason}
         return {"index": index, "text": text, "logprobs": None, "finish_reason": reason}
 
 
@@ -302,7 +303,8 @@ async def _whole(request: Request, shape: _Shape, outs, index: dict) -> JSONResp
 async def _sse(shape: _Shape, outs, index: dict, include_usage: bool):
     """Server-sent events: a chunk per new piece of text, per choice; the usage chunk; [DONE]."""
     kind = "chat.completion.chunk" if shape.chat else "text_completion"
-    sent: dict[str, tuple[int, int]] = {}          # request id -> (characters, tokens) already sent
+    started: set[str] = set()                      # request ids with a chunk sent
+    held: dict[str, tuple[list, list]] = {}        # tokens (and logprobs) of outputs with no text to send yet
     completion_tokens = 0
     extra = {"usage": None} if include_usage else {}
     try:
@@ -310,14 +312,15 @@ async def _sse(shape: _Shape, outs, index: dict, include_usage: bool):
             if (err := _failed(out)) is not None:
                 yield f"data: {json.dumps(err.body())}\n\n"
                 continue
-            chars, toks = sent.get(out.request_id, (0, 0))
-            text = out.text[chars:]
-            if not text and not out.finished and not (shape.chat and out.request_id not in sent):
+            completion_tokens += len(out.new_token_ids)
+            ids, lps = held.pop(out.request_id, ([], []))
+            ids, lps = ids + out.new_token_ids, lps + (out.new_logprobs or [])
+            first = out.request_id not in started
+            if not out.new_text and not out.finished and not (shape.chat and first):
+                held[out.request_id] = (ids, lps)         # sent with the next chunk that has text
                 continue
-            choice = shape.delta(index[out.request_id], text, out, toks, out.request_id not in sent)
-            sent[out.request_id] = (len(out.text), len(out.token_ids))
-            if out.finished:
-                completion_tokens += len(out.token_ids)
+            choice = shape.delta(index[out.request_id], out, first, ids, lps if out.new_logprobs is not None else None)
+            started.add(out.request_id)
             yield f"data: {json.dumps(shape.obj(kind, [choice]) | extra)}\n\n"
         if include_usage:
             yield f"data: {json.dumps(shape.obj(kind, [], shape.usage(completion_tokens)))}\n\n"

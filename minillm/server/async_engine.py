@@ -23,7 +23,7 @@ import threading
 from typing import AsyncIterator
 
 from ..engine import LLMEngine
-from ..engine.request import RequestMetrics, RequestOutput
+from ..engine.request import RequestOutput
 from ..sampling import SamplingParams
 
 logger = logging.getLogger("minillm")
@@ -127,8 +127,8 @@ class AsyncEngine:
         except Exception:
             logger.exception("could not abort the remaining requests")
         for rid in list(self._streams):
-            self._deliver(_ended(rid, "abort", "the server is shutting down" if self.error is None else
-                                 f"the engine stopped: {self.error!r}"))
+            self._deliver(RequestOutput.failed(rid, [], "abort", "the server is shutting down" if self.error is None
+                                               else f"the engine stopped: {self.error!r}"))
 
     def _take_commands(self) -> None:
         while True:
@@ -144,7 +144,7 @@ class AsyncEngine:
                     self.engine.add_request(rid, prompt_ids, params, n=n)
                 except ValueError as e:     # checked by the handler first; this is the last guard
                     for i in range(n):
-                        self._deliver(_ended(rid if i == 0 else f"{rid}/{i}", "error", str(e)))
+                        self._deliver(RequestOutput.failed(rid if i == 0 else f"{rid}/{i}", [], "error", str(e)))
             else:
                 for rid in cmd[2]:
                     self.engine.abort_request(rid)
@@ -167,6 +167,3 @@ def _put_all(items) -> None:
     for q, out in items:
         q.put_nowait(out)
 
-
-def _ended(rid: str, reason: str, message: str) -> RequestOutput:
-    return RequestOutput(rid, [], [], "", True, reason, RequestMetrics(None, None, [], None, None), error=message)

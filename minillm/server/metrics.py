@@ -54,7 +54,6 @@ class ServerMetrics:
         self.e2e = hist("vllm:e2e_request_latency_seconds", "Arrival to finish.")
         self.queue = hist("vllm:request_queue_time_seconds", "Arrival to first scheduled.")
         self.step_tokens = hist("vllm:iteration_tokens_total", "Tokens computed per engine step.", _STEP_TOKENS)
-        self._seen: dict[str, int] = {}          # tokens already counted, per running request
         self._last = {"num_preemptions": 0, "prefix_cache_queries": 0, "prefix_cache_hits": 0}
 
     def on_step(self, engine, outputs) -> None:
@@ -70,14 +69,11 @@ class ServerMetrics:
         if st["tokens_last_step"]:
             self.step_tokens.observe(st["tokens_last_step"])
         for out in outputs:
-            n = len(out.token_ids)
-            self.generation_tokens.inc(max(0, n - self._seen.get(out.request_id, 0)))
-            self._seen[out.request_id] = n
+            self.generation_tokens.inc(len(out.new_token_ids))
             if out.finished:
                 self._finished(out)
 
     def _finished(self, out) -> None:
-        self._seen.pop(out.request_id, None)
         self.success.labels(self.model_name, out.finish_reason or "abort").inc()
         self.prompt_tokens.inc(len(out.prompt_token_ids))
         m = out.metrics

@@ -23,15 +23,16 @@ from .verify import target_probs, verify
 
 
 def speculative_decode(model, prompt_ids: list[int], params: SamplingParams, stage: str, proposer, k: int,
-                       sink) -> Iterator[str]:
-    """Yield text chunks through `sink` (a generate.TextSink, which holds the Generation being filled)."""
+                       detok, out) -> Iterator[str]:
+    """Yield text chunks as `detok` (the sequence's IncrementalDetokenizer) releases them; fill `out`
+    (a generate.Generation) with the timings and the speculation counters."""
     if not isinstance(k, int) or k < 1:
         raise ValueError(f"num_speculative_tokens must be an integer >= 1; got {k!r}")
     if stage not in ("kv", "flash", "paged"):
         raise ValueError(f"speculative decoding needs a stage with a KV cache to roll back: kv, flash, paged "
                          f"or continuous; got {stage!r}")
     proposer = make_proposer(proposer)
-    out, P = sink.out, len(prompt_ids)
+    P = len(prompt_ids)
     runner = make_runner(model, stage, max_len=min(P + params.max_tokens + k + 1, model.cfg.max_seq_len))
     gen = None if params.greedy else make_generator(params.seed)
     history = list(prompt_ids)
@@ -48,15 +49,15 @@ def speculative_decode(model, prompt_ids: list[int], params: SamplingParams, sta
         t0 = now
         for token in new:
             history.append(token)
-            chunk = sink.push(token)
-            if chunk:
+            detok.push(token)
+            if chunk := detok.take():
                 yield chunk
-            if sink.done:
+            if detok.done:
                 break
-        if sink.done:
+        if detok.done:
             break
         start = runner.length                                       # == len(history) - 1
-        room = min(k, sink.remaining - 1, runner.max_len - start - 1)
+        room = min(k, detok.remaining - 1, runner.max_len - start - 1)
         drafts, q = proposer.propose(history, room) if room > 0 else ([], None)
         logits = runner.extend([history[-1], *drafts])                 # (len(drafts) + 1, vocab)
         new = verify(drafts, q, target_probs(logits, params), gen)
@@ -65,6 +66,4 @@ def speculative_decode(model, prompt_ids: list[int], params: SamplingParams, sta
             out.spec_drafts += 1
             out.spec_draft_tokens += len(drafts)
             out.spec_accepted_tokens += len(new) - 1
-    rest = sink.close()
-    if rest:
-        yield rest
+    out.text, out.finish_reason = detok.text, detok.finish_reason
