@@ -10,8 +10,6 @@ import time
 from dataclasses import dataclass, field
 from typing import Iterator
 
-import torch
-
 from .detokenizer import IncrementalDetokenizer
 from .runners import STAGES, NaiveRunner, make_runner  # noqa: F401  (re-exported)
 from .sampling import SamplingParams, make_generator, sample_next_token

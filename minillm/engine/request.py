@@ -119,10 +119,9 @@ class RequestMetrics:
     e2e_s: float | None
 
     @classmethod
-    def of(cls, r: Request, num_times: int | None = None, finish_time: float | None = None) -> "RequestMetrics":
-        """r's metrics over its first num_times token times (default: all), finished at finish_time."""
-        t = r.token_times if num_times is None else r.token_times[:num_times]
-        finish_time = r.finish_time if num_times is None else finish_time
+    def of(cls, r: Request, num_times: int, finish_time: float | None) -> "RequestMetrics":
+        """r's metrics as they stood after its first num_times tokens (finished at finish_time, or not yet)."""
+        t = r.token_times[:num_times]
         queue = None if r.first_scheduled_time is None else r.first_scheduled_time - r.arrival_time
         ttft = t[0] - r.arrival_time if t else None
         e2e = None if finish_time is None else finish_time - r.arrival_time
