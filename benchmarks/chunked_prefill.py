@@ -16,10 +16,10 @@ from pathlib import Path
 import torch
 
 import minillm
-from minillm.bench import machine_info
-from minillm.bench_serve import long_prompt_interference
+from minillm.course.bench import machine_info
+from minillm.course.bench_serve import long_prompt_interference
 from minillm.engine import LLMEngine
-from minillm.metrics import percentile
+from minillm.course.timing import percentile
 
 BUDGETS = [64, 128, 256, 512, 1024, 2048]
 

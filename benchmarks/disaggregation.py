@@ -22,9 +22,9 @@ import torch
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
 import minillm  # noqa: E402
-from minillm.bench import machine_info  # noqa: E402
+from minillm.course.bench import machine_info# noqa: E402
 from minillm.distributed.disaggregated import colocated_run, disaggregated_run  # noqa: E402
-from minillm.metrics import percentile  # noqa: E402
+from minillm.course.timing import percentile# noqa: E402
 from minillm.sampling import SamplingParams  # noqa: E402
 
 SHORT, LONG, N_SHORT, N_LONG, MAX_TOKENS = 40, 1000, 4, 4, 48

@@ -15,7 +15,7 @@ from pathlib import Path
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
 import minillm  # noqa: E402
-from minillm.bench import machine_info  # noqa: E402
+from minillm.course.bench import machine_info# noqa: E402
 from minillm.distributed.kv_transfer import transfer_costs  # noqa: E402
 from minillm.distributed.launch import run_ranks, tensor_parallel_generate  # noqa: E402
 from minillm.distributed.tensor_parallel import all_reduce_seconds  # noqa: E402

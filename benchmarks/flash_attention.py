@@ -34,7 +34,7 @@ import triton  # noqa: E402
 
 from minillm.attention import naive_attention  # noqa: E402
 from minillm.attention.triton_flash import decode_attention, flash_attn_varlen  # noqa: E402
-from minillm.bench import machine_info  # noqa: E402
+from minillm.course.bench import machine_info# noqa: E402
 
 PREFILL_CONFIGS = [dict(block_m=128, block_n=64, num_warps=8, num_stages=3),
                    dict(block_m=128, block_n=128, num_warps=8, num_stages=2),

@@ -14,8 +14,8 @@ os.environ.setdefault("TRITON_INTERPRET", "1")   # before triton is imported: th
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
 import minillm  # noqa: E402
-from minillm.attention.kernel_checks import flash_kernel_checks  # noqa: E402
-from minillm.bench import machine_info  # noqa: E402
+from minillm.course.kernel_checks import flash_kernel_checks# noqa: E402
+from minillm.course.bench import machine_info# noqa: E402
 from minillm.generate import generate  # noqa: E402
 from minillm.sampling import SamplingParams  # noqa: E402
 

@@ -14,7 +14,7 @@ from pathlib import Path
 import torch
 
 import minillm
-from minillm.bench import machine_info
+from minillm.course.bench import machine_info
 from minillm.generate import generate
 from minillm.sampling import SamplingParams
 

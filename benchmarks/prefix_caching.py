@@ -16,8 +16,8 @@ from pathlib import Path
 import torch
 
 import minillm
-from minillm.bench import machine_info
-from minillm.bench_serve import load_workload, run_serve_bench
+from minillm.course.bench import machine_info
+from minillm.course.bench_serve import load_workload, run_serve_bench
 
 
 def main():

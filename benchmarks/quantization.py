@@ -1,7 +1,7 @@
 """Quantized weights against float32, side by side in one process: speed, memory and quality.
 
 First, for each format, its mean KL from float32 on this run's own prompt and the held-out text's first 256
-tokens (the text its bound in `minillm/quant/quality.py` was measured on; the prefill's random tokens are no
+tokens (the text its bound in `minillm/course/quality.py` was measured on; the prefill's random tokens are no
 language, and move an 8-bit-activation model further): a format past its bound is not computing what the
 model computes on this CPU, and gets no speed, only the reason. Then, for each format (float32, float16, bfloat16, int8, w8a8, q4, q4_file)
 within its bound, taking turns round by round:
@@ -35,14 +35,14 @@ import torch
 from tqdm import tqdm
 
 import minillm
-from minillm.bench import load_prompts, machine_info, prompt_ids
+from minillm.course.bench import load_prompts, machine_info, prompt_ids
 from minillm.config import ModelConfig
 from minillm.generate import generate
 from minillm.kv import kv_cache_bytes
 from minillm.sampling import SamplingParams
 from minillm.quant import weight_bytes
-from minillm.quant.quality import KV_KL_BOUND, check_quality, compare, heldout_ids, next_token_logprobs, refusal
-from minillm.runners import KVCacheRunner
+from minillm.course.quality import KV_KL_BOUND, check_quality, compare, heldout_ids, next_token_logprobs, refusal
+from minillm.stages import KVCacheRunner
 
 PROMPT = "The history of the printing press begins in"
 FORMATS = [("float32", None), ("float16", None), ("bfloat16", None), ("float32", "int8"), ("float32", "w8a8"),
@@ -113,24 +113,21 @@ def prefill(model, n=256) -> float:
 
 def greedy_agreement(model, tok, refs: list[list[int]], prompts: list[list[int]], kv=None) -> list[int]:
     """Per prompt: how many of the reference's greedy tokens this model reproduces before the first difference."""
-    model.kv_cache_dtype = kv
     out = []
     for ids, ref in zip(prompts, refs):
-        got = generate(model, tok, ids, SamplingParams(max_tokens=len(ref), ignore_eos=True), stage="kv").token_ids
+        got = generate(model, tok, ids, SamplingParams(max_tokens=len(ref), ignore_eos=True), stage="kv",
+                       kv_cache_dtype=kv).token_ids
         out.append(next((i for i, (a, b) in enumerate(zip(got, ref)) if a != b), len(ref)))
-    model.kv_cache_dtype = None
     return out
 
 
 @torch.inference_mode()
 def long_context_decode(model, kv, context=1000, n=32) -> float:
-    model.kv_cache_dtype = kv
-    r = KVCacheRunner(model, max_len=context + n + 1)
+    r = KVCacheRunner(model, max_len=context + n + 1, kv_cache_dtype=kv)
     logits = r.prefill(torch.randint(100, 10_000, (context,), generator=torch.Generator().manual_seed(1)).tolist())
     t = time.perf_counter()
     for _ in range(n):
         logits = r.decode(int(logits.argmax()))
-    model.kv_cache_dtype = None
     return n / (time.perf_counter() - t)
 
 

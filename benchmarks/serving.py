@@ -14,7 +14,7 @@ Servers (each a child process on a loopback port, all started before the sweep; 
 
 Workload: data/chat_workload.jsonl (24 questions, chat, greedy, up to 96 tokens; answers end at the end
 of text, so each server does the work its own answers take), Poisson arrivals at each rate, sent by
-`minillm.bench_http` with streaming. Per server and rate: TTFT, ITL, E2E percentiles and output tokens
+`minillm.course.bench_http` with streaming. Per server and rate: TTFT, ITL, E2E percentiles and output tokens
 per second; for minillm, its /metrics (running, waiting, KV use) sampled during the run.
 """
 from __future__ import annotations
@@ -30,10 +30,10 @@ from pathlib import Path
 ROOT = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(ROOT))
 
-from minillm.bench import machine_info  # noqa: E402
-from minillm.bench_http import MetricsSampler, load_text_workload, run_http_bench  # noqa: E402
-from minillm.bench_serve import summarize_system  # noqa: E402
-from minillm.server.launch import ServerProcess  # noqa: E402
+from minillm.course.bench import machine_info# noqa: E402
+from minillm.course.bench_http import MetricsSampler, load_text_workload, run_http_bench  # noqa: E402
+from minillm.course.bench_serve import summarize_system# noqa: E402
+from minillm.course.launch_server import ServerProcess# noqa: E402
 
 
 def export_hf_folder(out: Path) -> Path:

@@ -17,8 +17,8 @@ from pathlib import Path
 import torch
 
 import minillm
-from minillm.bench import machine_info
-from minillm.speculative.bench import draft_cost, pass_costs, run_tasks, summarize_tasks
+from minillm.course.bench import machine_info
+from minillm.course.speculative_bench import draft_cost, pass_costs, run_tasks, summarize_tasks
 
 CONFIGS = [("ngram", 2), ("ngram", 4), ("ngram", 8), ("layers:24", 2), ("layers:24", 4), ("layers:15", 2)]
 

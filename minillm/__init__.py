@@ -21,33 +21,28 @@ __all__ = ["LLM", "ModelConfig", "ModelNotFoundError", "SamplingParams", "Tokeni
 
 
 def load_model(path: str | Path | None = None, dtype: torch.dtype | str = torch.float32,
-               device: str | torch.device | None = None, attn_fn=None, quant: str | None = None,
-               kv_cache_dtype: str | None = None) -> Transformer:
+               device: str | torch.device | None = None, attn_fn=None, quant: str | None = None) -> Transformer:
     """Load a Llama-family model (GGUF file or Hugging Face folder; default: the course model).
 
     dtype: of activations, norms and the KV cache (and of the weights, unquantized): float32, float16
         or bfloat16 (a name or a torch.dtype).
     quant: None, or quantized weights (`minillm.quant`): "int8", "w8a8", "q4", or "q4_file" (the GGUF
         file's own 4-bit blocks).
-    kv_cache_dtype: None (the dtype above), "int8" or "int4": how the KV caches built for this model
-        (every cached stage and the engine) store keys and values (`minillm.kv.quantized`).
+    How a KV cache stores keys and values (int8 or int4, `minillm.kv.quantized`) is the cache's own
+    setting: `kv_cache_dtype=` of generate, the runners and the engine.
     """
     from .quant import check_format, quantize_model
     from .quant.smoothquant import CALIBRATION, smooth_scales
 
-    from .kv.quantized import check_kv_dtype
-
     dtype = parse_dtype(dtype)
     check_format(quant)
-    check_kv_dtype(kv_cache_dtype)
-    from .metrics import release_memory
+    from .memory import release_memory
 
     cfg, state, _ = load_state(path, dtype)
     kwargs = {"attn_fn": attn_fn} if attn_fn is not None else {}
     model = build_model(cfg, state, **kwargs)
     del state
     model = model.to(device) if device is not None else model
-    model.kv_cache_dtype = kv_cache_dtype
     if quant == "w8a8":
         tok = load_tokenizer(path)
         model = quantize_model(model, quant, smooth=smooth_scales(model, [tok.encode(t) for t in CALIBRATION]))

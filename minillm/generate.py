@@ -1,6 +1,6 @@
 """The generation loop: prefill the prompt, then decode one token at a time.
 
-A *runner* (`runners.py`) is what changes between stages: it turns token ids into
+A *runner* (`stages.py`) is what changes between stages: it turns token ids into
 next-token logits. Stage 1's runner keeps nothing between steps, so step t costs a
 forward pass over t tokens; stage 2's keeps a KV cache. This loop is the same for all.
 """
@@ -11,7 +11,7 @@ from dataclasses import dataclass, field
 from typing import Iterator
 
 from .detokenizer import IncrementalDetokenizer
-from .runners import STAGES, NaiveRunner, make_runner  # noqa: F401  (re-exported)
+from .stages import STAGES, NaiveRunner, make_runner  # noqa: F401  (re-exported)
 from .sampling import SamplingParams, make_generator, sample_next_token
 
 ALL_STAGES = [*STAGES, "continuous"]   # stage 5, the serving engine, streams through engine/
@@ -63,7 +63,8 @@ def check_prompt(prompt_ids: list[int], max_seq_len: int) -> None:
 
 def stream(model, tokenizer, prompt_ids: list[int], params: SamplingParams | None = None,
            stage: str = "naive", result: Generation | None = None,
-           speculative=None, num_speculative_tokens: int = 4, runner=None) -> Iterator[str]:
+           speculative=None, num_speculative_tokens: int = 4, runner=None,
+           kv_cache_dtype: str | None = None) -> Iterator[str]:
     """Generate, yielding text as it is decoded (never half a character, never part of a stop string).
 
     Pass a `Generation` as `result` to receive the token ids and timings as they happen.
@@ -71,12 +72,14 @@ def stream(model, tokenizer, prompt_ids: list[int], params: SamplingParams | Non
     num_speculative_tokens tokens per step for the model to verify (stage 6, `speculative/`).
     runner: run on this runner instead of a new one of the stage (rank 0 of a tensor-parallel run passes
     one that also drives the other ranks, `distributed/leader.py`).
+    kv_cache_dtype: None (the model's dtype), "int8" or "int4": how the stage's cache stores K/V.
     """
     params = params or SamplingParams()
     max_len = model.cfg.max_seq_len
     check_prompt(prompt_ids, max_len)
     if stage == "continuous":
-        yield from _stream_engine(model, tokenizer, prompt_ids, params, result, speculative, num_speculative_tokens)
+        yield from _stream_engine(model, tokenizer, prompt_ids, params, result, speculative, num_speculative_tokens,
+                                  kv_cache_dtype)
         return
     out = result if result is not None else Generation(prompt_tokens=len(prompt_ids))
     out.prompt_tokens, out.stage = len(prompt_ids), stage
@@ -86,10 +89,10 @@ def stream(model, tokenizer, prompt_ids: list[int], params: SamplingParams | Non
         from .speculative.decode import speculative_decode
 
         yield from speculative_decode(model, prompt_ids, params, stage, speculative, num_speculative_tokens,
-                                      detok, out)
+                                      detok, out, kv_cache_dtype)
         return
     if runner is None:
-        runner = make_runner(model, stage, max_len=min(len(prompt_ids) + params.max_tokens, max_len))
+        runner = make_runner(model, stage, min(len(prompt_ids) + params.max_tokens, max_len), kv_cache_dtype)
     gen = make_generator(params.seed)
 
     t0 = time.perf_counter()
@@ -110,7 +113,8 @@ def stream(model, tokenizer, prompt_ids: list[int], params: SamplingParams | Non
     out.text, out.finish_reason = detok.text, detok.finish_reason
 
 
-def _stream_engine(model, tokenizer, prompt_ids, params, result, speculative=None, k=4) -> Iterator[str]:
+def _stream_engine(model, tokenizer, prompt_ids, params, result, speculative=None, k=4,
+                   kv_cache_dtype=None) -> Iterator[str]:
     """Stage 5 for one prompt: the serving engine with a pool just big enough for it."""
     from .engine import LLM
 
@@ -118,7 +122,7 @@ def _stream_engine(model, tokenizer, prompt_ids, params, result, speculative=Non
     extra = k + 1 if speculative is not None else 0          # room for drafts being verified
     blocks = -(-min(len(prompt_ids) + params.max_tokens + extra, model.cfg.max_seq_len) // block)
     llm = LLM(model, tokenizer, max_num_seqs=1, block_size=block, num_blocks=blocks, verbose=False,
-              speculative=speculative, num_speculative_tokens=k)
+              speculative=speculative, num_speculative_tokens=k, kv_cache_dtype=kv_cache_dtype)
     out = result if result is not None else Generation(prompt_tokens=len(prompt_ids))
     out.prompt_tokens, out.stage = len(prompt_ids), "continuous"
     for o in llm.stream(prompt_ids, params):
@@ -133,24 +137,26 @@ def _stream_engine(model, tokenizer, prompt_ids, params, result, speculative=Non
 
 
 def generate(model, tokenizer, prompt_ids: list[int], params: SamplingParams | None = None,
-             stage: str = "naive", speculative=None, num_speculative_tokens: int = 4, runner=None) -> Generation:
+             stage: str = "naive", speculative=None, num_speculative_tokens: int = 4, runner=None,
+             kv_cache_dtype: str | None = None) -> Generation:
     """Generate to the end and return the ids, text and timings (and, with `speculative`, its counters)."""
     out = Generation(prompt_tokens=len(prompt_ids))
     for _ in stream(model, tokenizer, prompt_ids, params, stage, result=out,
-                    speculative=speculative, num_speculative_tokens=num_speculative_tokens, runner=runner):
+                    speculative=speculative, num_speculative_tokens=num_speculative_tokens, runner=runner,
+                    kv_cache_dtype=kv_cache_dtype):
         pass
     return out
 
 
 def generate_batch(model, tokenizer, prompts: list[list[int]], params: SamplingParams | None = None,
-                   stage: str = "kv") -> list[Generation]:
+                   stage: str = "kv", kv_cache_dtype: str | None = None) -> list[Generation]:
     """Generate for several prompts at once (static batching: the batch runs until every
     sequence is done). Each result is what the prompt would give alone."""
     params = params or SamplingParams()
     max_len = model.cfg.max_seq_len
     for p in prompts:
         check_prompt(p, max_len)
-    runner = make_runner(model, stage, max_len=min(max(map(len, prompts)) + params.max_tokens, max_len))
+    runner = make_runner(model, stage, min(max(map(len, prompts)) + params.max_tokens, max_len), kv_cache_dtype)
     gen = make_generator(params.seed)
     outs = [Generation(prompt_tokens=len(p), stage=stage) for p in prompts]
     detoks = [IncrementalDetokenizer(tokenizer, params, min(params.max_tokens, max_len - len(p))) for p in prompts]

@@ -2,9 +2,16 @@
 
     ids -> tok_emb -> n_layers x [x + Attn(RMSNorm(x)); x + SwiGLU(RMSNorm(x))] -> RMSNorm -> lm_head -> logits
 
-The attention function is passed in (`attn_fn`), so later stages plug in their
-own without copying the model, and so is the KV storage (`cache`). With
-`cache=None` the model sees the whole sequence every call: stage 1, the naive engine.
+Attention is the one part that changes from stage to stage, so the model does not do it
+itself: each call gets an attention context `attn` with one method,
+
+    attn.attend(layer, q, k, v) -> out    q (B, H, T, hd); k, v (B, n_kv, T, hd): this call's new keys
+                                          and values, which the context may store before attending
+
+`FullAttention` (stage 1) keeps nothing: the call's queries attend its own keys, causally.
+`kv.CachedAttention` (stages 2 and 3) stores them in a contiguous KV cache and attends over all
+cached keys; `attention.PagedAttention` (stages 4 and 5) writes them to their slots of a paged
+pool and attends through block tables.
 
 Two projections are fused, as most engines do: Q, K and V come from one matrix
 (`wqkv`), the SwiGLU gate and up from another (`w_gate_up`). The math is the same
@@ -59,15 +66,13 @@ class Attention(nn.Module):
         self.wqkv = nn.Linear(cfg.d_model, (cfg.n_heads + 2 * cfg.n_kv_heads) * cfg.head_dim, bias=False)
         self.wo = nn.Linear(cfg.n_heads * cfg.head_dim, cfg.d_model, bias=False)
 
-    def forward(self, x, cos, sin, attn_fn, mask=None, cache=None, layer: int = 0):
+    def forward(self, x, cos, sin, attn, layer: int = 0):
         B, T, _ = x.shape
         H, n_kv, hd = self.n_heads, self.n_kv, self.hd
         qkv = self.wqkv(x).view(B, T, H + 2 * n_kv, hd).transpose(1, 2)   # (B, H + 2 n_kv, T, hd)
         qk = apply_rope(qkv[:, :H + n_kv], cos, sin)                        # rotate q and k together
         q, k, v = qk[:, :H], qk[:, H:], qkv[:, H + n_kv:]                   # (B, H | n_kv | n_kv, T, hd)
-        if cache is not None:  # stage 2+: store this step's K/V, attend over everything cached
-            k, v = cache.update(layer, k, v)                                # (B, n_kv, S, hd)
-        out = attn_fn(q, k, v, mask)                                        # (B, H, T, hd)
+        out = attn.attend(layer, q, k, v)                                   # (B, H, T, hd)
         return self.wo(out.transpose(1, 2).reshape(B, T, H * hd))
 
 
@@ -92,13 +97,24 @@ class Block(nn.Module):
         self.attn = Attention(cfg)
         self.mlp = MLP(cfg)
 
-    def forward(self, x, cos, sin, attn_fn, mask=None, cache=None, layer=0):
-        x = x + self.attn(self.attn_norm(x), cos, sin, attn_fn, mask, cache, layer)
+    def forward(self, x, cos, sin, attn, layer=0):
+        x = x + self.attn(self.attn_norm(x), cos, sin, attn, layer)
         return x + self.mlp(self.ffn_norm(x))
 
 
+class FullAttention:
+    """Stage 1's attention context: no cache. Queries attend this call's own keys (causal, or `mask`:
+    (B, 1, T, T) bool, True where a query may attend a key)."""
+
+    def __init__(self, attn_fn=naive_attention, mask: torch.Tensor | None = None):
+        self.attn_fn, self.mask = attn_fn, mask
+
+    def attend(self, layer: int, q, k, v):
+        return self.attn_fn(q, k, v, self.mask)                            # (B, H, T, hd)
+
+
 class Transformer(nn.Module):
-    kv_cache_dtype: str | None = None   # how caches built for this model store K/V (`kv/quantized.py`)
+    quant: str | None = None   # the weights' format when quantized (`quant/apply.py`)
 
     def __init__(self, cfg: ModelConfig, attn_fn=naive_attention):
         super().__init__()
@@ -119,21 +135,20 @@ class Transformer(nn.Module):
         """The dtype of activations, norms and the KV cache (quantized weights keep their own)."""
         return self.norm.weight.dtype
 
-    def forward(self, ids: torch.Tensor, positions: torch.Tensor | None = None, cache=None,
-                mask: torch.Tensor | None = None, attn_fn=None,
+    def forward(self, ids: torch.Tensor, positions: torch.Tensor | None = None, attn=None,
                 logit_indices: torch.Tensor | None = None, n_layers: int | None = None) -> torch.Tensor:
         """ids: (B, T) -> logits (B, T, vocab).
 
         positions: (T,) or (B, T) absolute positions, for RoPE (default 0 .. T-1).
-        cache: a KV cache (stage 2+) that stores this call's keys/values and returns all of them.
-        mask: (B, 1, T, S) bool, True where a query may attend a key (default: causal).
+        attn: the attention context (`attend(layer, q, k, v)`); default FullAttention(self.attn_fn):
+            no cache, causal.
         logit_indices: (M,) positions along T whose logits are wanted -> logits (B, M, vocab).
             A prefill chunk needs only its last token's; the output head is the biggest
             matrix of the model (49,152 x 576 here), so skipping the other rows matters.
         n_layers: run only the first n_layers blocks, then the final norm and head: the same model
             made cheaper, a draft for speculative decoding (self-speculation by layer skipping).
         """
-        attn_fn = attn_fn or self.attn_fn
+        attn = attn or FullAttention(self.attn_fn)
         B, T = ids.shape
         if positions is None:
             positions = torch.arange(T, device=ids.device)
@@ -144,7 +159,7 @@ class Transformer(nn.Module):
         for i, block in enumerate(self.layers):
             if n_layers is not None and i >= n_layers:
                 break
-            x = block(x, cos, sin, attn_fn, mask, cache, i)
+            x = block(x, cos, sin, attn, i)
         if logit_indices is not None:
             x = x[:, logit_indices]                                                # (B, M, d)
         x = self.norm(x)
@@ -173,3 +188,15 @@ def build_model(cfg: ModelConfig, state: dict[str, torch.Tensor], attn_fn=naive_
         model = Transformer(cfg, attn_fn)
     model.load_state_dict(fuse_projections(state, cfg.n_layers), strict=True, assign=True)
     return model.eval().requires_grad_(False)
+
+
+def weight_bytes(model) -> int:
+    """Bytes of the model's weights as it holds them: every parameter and saved buffer (quantized codes
+    and scales included), each tensor counted once. A copy that a CPU kernel keeps in its own layout
+    (`Q4Linear`'s repacked codes: the same weights again) is not saved, and not counted."""
+    seen, total = set(), 0
+    for t in model.state_dict(keep_vars=True).values():
+        if t.data_ptr() not in seen:
+            seen.add(t.data_ptr())
+            total += t.numel() * t.element_size()
+    return total

@@ -27,7 +27,7 @@ def run_one(path: Path) -> tuple[float, int]:
 
 
 def stamp(path: Path, seconds: float, peak: int) -> None:
-    from minillm.bench import machine_label
+    from minillm.course.bench import machine_label
 
     nb = json.loads(path.read_text())
     nb["metadata"]["kernelspec"]["display_name"] = "Python 3 (ipykernel)"   # what ipykernel installs

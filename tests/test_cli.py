@@ -61,7 +61,7 @@ def test_generate_speculative_json_reports_acceptance(stage):
     (["generate"], "the following arguments are required: prompt"),
     (["generate", "hi", "--quant", "int3"], "invalid choice: 'int3'"),
     (["generate", "hi", "--kv-cache-dtype", "fp8"], "invalid choice: 'fp8'"),
-    (["generate", "hi", "--stage", "paged", "--kv-cache-dtype", "int8"], "kv, flash and continuous stages"),
+    (["generate", "hi", "--stage", "naive", "--kv-cache-dtype", "int8"], "kv, flash, paged and continuous stages"),
     (["generate", "hi", "--tensor-parallel", "2"], "use one of [1, 3]"),
     (["generate", "hi", "--tensor-parallel", "3", "--quant", "int8"], "drop --quant"),
     (["generate", "hi", "--tensor-parallel", "3", "--stage", "paged"], "drop --stage paged"),

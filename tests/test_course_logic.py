@@ -6,10 +6,10 @@ from pathlib import Path
 import pytest
 import torch
 
-from minillm.attention.traffic import attention_sizes, attention_traffic
+from minillm.course.traffic import attention_sizes, attention_traffic
 from minillm.config import ModelConfig
 from minillm.kv import BlockPool, OutOfBlocks
-from minillm.kv.reservation import (paged_utilization, predicted_paged_utilization, replay_concurrency,
+from minillm.course.reservation import (paged_utilization, predicted_paged_utilization, replay_concurrency,
                                     reserved_utilization, sequences_that_fit)
 
 ROOT = Path(__file__).resolve().parent.parent
@@ -73,7 +73,7 @@ def test_replay_finishes_every_request_and_paged_runs_more_at_once():
 
 def test_paged_replay_agrees_with_the_engines_scheduler():
     """The replay's paged policy is a sketch of the engine's scheduler; on a small trace they agree closely."""
-    from minillm.engine.simulate import simulate
+    from minillm.course.simulate import simulate
 
     trace, tokens = TRACE[:100], 6000
     cfg = ModelConfig(n_layers=1, d_model=8, n_heads=1, n_kv_heads=1, head_dim=8, ffn_dim=8, vocab_size=8)
@@ -96,7 +96,7 @@ def test_bookkeeping_pool_has_no_tensors_but_the_same_rules():
 
 
 def test_floors_and_predictions(model):
-    from minillm.roofline import predict_kv_step_s, predict_naive_step_s, step_floors, weight_bytes
+    from minillm.course.roofline import predict_kv_step_s, predict_naive_step_s, step_floors, weight_bytes
 
     bw, flops = 20e9, 200e9
     floors = step_floors(model, tokens=1, context=100, bandwidth=bw, flops=flops)
@@ -106,8 +106,8 @@ def test_floors_and_predictions(model):
 
 
 def test_matvec_bandwidth_and_profile(model):
-    from minillm.metrics import profile_ops
-    from minillm.roofline import measure_matvec_bandwidth
+    from minillm.course.timing import profile_ops
+    from minillm.course.roofline import measure_matvec_bandwidth
 
     assert measure_matvec_bandwidth(model, rows=1, repeats=2) > 1e8
     calls = []
@@ -119,7 +119,7 @@ def test_matvec_bandwidth_and_profile(model):
 
 
 def test_committed_results_and_kernel_sources(capsys):
-    from minillm.bench import load_result
+    from minillm.course.bench import load_result
     from minillm.triton_support import kernel_source
 
     assert load_result("cpu_kernel_checks")["same_tokens_as_naive"] == {"flash": True, "paged": True}
@@ -132,7 +132,7 @@ def test_committed_results_and_kernel_sources(capsys):
 
 
 def test_speculative_speedup_predicted_from_a_runs_counters():
-    from minillm.speculative.bench import predicted_run_speedup
+    from minillm.course.speculative_bench import predicted_run_speedup
 
     costs = {"1": 0.05, "2": 0.05, "5": 0.10}           # two tokens cost one step; five cost two steps
     plain = {"tokens": 101, "spec_drafts": 0, "spec_draft_tokens": 0, "spec_accepted_tokens": 0, "system": "kv"}

@@ -64,7 +64,7 @@ def test_an_engine_step_survives_packing_for_the_followers():
 
 def test_what_a_token_sends_is_counted_against_the_weights_it_reads(model):
     from minillm.distributed.tensor_parallel import communication_bytes
-    from minillm.roofline import weight_bytes
+    from minillm.course.roofline import weight_bytes
 
     c = communication_bytes(model.cfg, 3)
     assert c["weight_bytes_per_rank"] * 3 == weight_bytes(model)

@@ -237,7 +237,7 @@ def test_llm_facade_generate_and_chat(model, tokenizer, naive_tokens):
 
 def test_packed_forward_logits_equal_one_prompt_at_a_time(model, tokenizer, prompts):
     """The runner's single forward pass over several requests gives each its own logits."""
-    from minillm.runners import NaiveRunner
+    from minillm.stages import NaiveRunner
 
     engine = LLMEngine(model, tokenizer, kv_cache_memory=64 << 20)
     for i, p in enumerate(prompts[:4]):

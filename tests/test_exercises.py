@@ -1,7 +1,7 @@
 """The exercise checks: they pass minillm's own answers, and tell a learner what is wrong with a wrong one."""
 import torch
 
-from minillm.exercises import check_min_p, check_top_p
+from minillm.course.exercises import check_min_p, check_top_p
 from minillm.sampling import min_p_filter, top_p_filter
 
 
@@ -42,7 +42,7 @@ def test_in_place_changes_and_errors_are_reported(capsys):
 
 
 def test_the_sampling_explorer_redraws_when_a_slider_moves(model, tokenizer):
-    from minillm.widgets import SamplingExplorer, describe
+    from minillm.course.widgets import SamplingExplorer, describe
 
     ex = SamplingExplorer(model, tokenizer, tokenizer.encode("Once upon a time, there was a little"), max_tokens=8)
     first = (ex.kept, ex.text)
@@ -59,8 +59,8 @@ def _answers():
 
     import torch.nn.functional as F
 
-    from minillm.exercises.kv_cache import reference_kv_append
-    from minillm.exercises.model import reference_causal_attention
+    from minillm.course.exercises.kv_cache import reference_kv_append
+    from minillm.course.exercises.model import reference_causal_attention
 
     def online(m, l, acc, s, v):
         m_new = torch.maximum(m, s.max())
@@ -195,7 +195,7 @@ def _engine_answers():
 
 
 def test_every_exercise_passes_its_answer_and_fails_a_stub(capsys):
-    import minillm.exercises as ex
+    import minillm.course.exercises as ex
 
     answers = _answers()
     assert set(answers) | {"check_top_p", "check_min_p"} == {n for n in ex.__all__ if n.startswith("check_")}
@@ -209,7 +209,7 @@ def test_every_exercise_passes_its_answer_and_fails_a_stub(capsys):
 
 
 def test_engine_exercises_say_what_is_wrong(capsys):
-    from minillm.exercises import check_cached_tokens, check_dequantize_q4_1, check_residual
+    from minillm.course.exercises import check_cached_tokens, check_dequantize_q4_1, check_residual
 
     def all_full_blocks(addresses, cached, n, bs):           # forgets that the last token must be computed
         hits = next((i for i, a in enumerate(addresses) if a not in cached), len(addresses))
@@ -230,7 +230,7 @@ def test_engine_exercises_say_what_is_wrong(capsys):
 
 
 def test_distributed_exercises_say_what_is_wrong(capsys):
-    from minillm.exercises import check_qkv_shard, check_transfer_bytes
+    from minillm.course.exercises import check_qkv_shard, check_transfer_bytes
 
     def contiguous(w, n_heads, n_kv, hd, rank, world):       # a slice of the fused rows, kinds mixed
         n = (n_heads + 2 * n_kv) * hd // world

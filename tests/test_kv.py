@@ -6,7 +6,7 @@ from minillm.attention import gqa_attention, mask_from_positions, naive_attentio
 from minillm.config import ModelConfig
 from minillm.generate import generate, generate_batch
 from minillm.kv import KVCache, kv_cache_bytes
-from minillm.runners import KVCacheRunner, NaiveRunner
+from minillm.stages import KVCacheRunner, NaiveRunner
 from minillm.sampling import SamplingParams
 
 LONG_PROMPTS = [

@@ -67,3 +67,23 @@ def test_engine_config_or_its_fields_as_keywords(tokenizer):
     assert a.config == b.config and a.pool.num_blocks == 9 and a.scheduler.max_num_seqs == 3
     with pytest.raises(TypeError):
         LLMEngine(model, tokenizer, max_num_seq=3)                     # a misspelt option is an error
+
+
+def test_no_runtime_module_but_the_manager_calls_a_pool_mutator():
+    """Read the runtime package (all but the course tooling in course/, which replays traces on pools of
+    its own): pool mutators are called in kv/manager.py, and in the pool classes themselves, only."""
+    import re
+    from pathlib import Path
+
+    root = Path(inspect.getsourcefile(BlockPool)).parents[1]                   # minillm/
+    call = re.compile(r"\.(%s)\(" % "|".join(MUTATORS))
+    owners = {root / "kv" / f for f in ("manager.py", "paged.py", "prefix_cache.py")}
+    found = {}
+    for path in root.rglob("*.py"):
+        if path in owners or "course" in path.relative_to(root).parts:
+            continue
+        for n, line in enumerate(path.read_text().splitlines(), 1):
+            if call.search(line) and not re.search(r"\b(kv|self\.kv|engine\.kv|runner\.kv|self\.cache|cache|"
+                                                   r"runner|target|r|d)\.(%s)\(" % "|".join(MUTATORS), line):
+                found[f"{path.relative_to(root)}:{n}"] = line.strip()
+    assert not found, found

@@ -11,7 +11,7 @@ from minillm.engine import LLMEngine
 from minillm.generate import generate
 from minillm.kv import BlockPool, KVCache, kv_cache_bytes
 from minillm.kv.quantized import GROUP4, QuantizedKV, dequantize, quantize
-from minillm.quant.quality import KV_KL_BOUND, compare, heldout_ids, next_token_logprobs
+from minillm.course.quality import KV_KL_BOUND, compare, heldout_ids, next_token_logprobs
 from minillm.sampling import SamplingParams
 
 
@@ -82,16 +82,16 @@ GREEDY = SamplingParams(max_tokens=12, ignore_eos=True)
 
 
 def test_engine_with_int8_kv_batches_chunks_and_preempts_without_changing_tokens(tokenizer):
-    engine = assert_engine_matches_solo(minillm.load_model(kv_cache_dtype="int8"), tokenizer, TEXTS, GREEDY)
+    engine = assert_engine_matches_solo(minillm.load_model(), tokenizer, TEXTS, GREEDY, kv_cache_dtype="int8")
     assert engine.pool.kv_dtype == "int8"
 
 
 def test_bad_kv_dtype_and_unsupported_stage_say_what_to_do(tokenizer):
+    m = minillm.load_model()
     with pytest.raises(ValueError, match="int8 or int4"):
-        minillm.load_model(kv_cache_dtype="fp8")
-    m = minillm.load_model(kv_cache_dtype="int4")
-    with pytest.raises(ValueError, match="kv, flash and continuous"):
-        generate(m, tokenizer, [1, 2, 3], GREEDY, stage="paged")
+        generate(m, tokenizer, [1, 2, 3], GREEDY, stage="kv", kv_cache_dtype="fp8")
+    with pytest.raises(ValueError, match="kv, flash, paged and continuous"):
+        generate(m, tokenizer, [1, 2, 3], GREEDY, stage="naive", kv_cache_dtype="int4")
 
 
 @pytest.mark.triton
@@ -131,12 +131,12 @@ def test_triton_kernels_read_quantized_pages_like_their_dequantized_values(kv):
 
 @pytest.mark.triton
 def test_engine_triton_backend_reads_an_int8_cache(tokenizer):
-    m = minillm.load_model(kv_cache_dtype="int8")
+    m = minillm.load_model()
     prompts = [tokenizer.encode(t) for t in TEXTS[:2]]
     params = SamplingParams(max_tokens=2, ignore_eos=True)
     outs = {}
     for backend in ("torch", "triton"):
-        engine = LLMEngine(m, tokenizer, attention=backend, kv_cache_memory=16 << 20)
+        engine = LLMEngine(m, tokenizer, attention=backend, kv_cache_memory=16 << 20, kv_cache_dtype="int8")
         for i, p in enumerate(prompts):
             engine.add_request(i, p, params)
         while engine.has_unfinished_requests():

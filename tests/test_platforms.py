@@ -74,20 +74,21 @@ def test_without_triton_the_triton_stages_fail_in_one_line():
 def test_without_triton_the_engine_refuses_only_the_triton_backend(monkeypatch):
     from minillm import triton_support
     from minillm.engine.runner import ModelRunner
-    from minillm.kv import BlockPool
     from minillm.config import ModelConfig
+    from minillm.kv import BlockPool
+    from minillm.kv.manager import KVCacheManager
 
     monkeypatch.setattr(triton_support, "HAS_TRITON", False)
     cfg = ModelConfig(n_layers=1, d_model=8, n_heads=2, n_kv_heads=1, head_dim=4, ffn_dim=8, vocab_size=16)
-    pool = BlockPool(cfg, num_blocks=4, block_size=4)
-    assert ModelRunner(None, pool, attention="auto").attention == "torch"
+    kv = KVCacheManager(BlockPool(cfg, num_blocks=4, block_size=4))
+    assert ModelRunner(None, kv, attention="auto").attention == "torch"
     with pytest.raises(triton_support.TritonUnavailable, match="Linux only"):
-        ModelRunner(None, pool, attention="triton")
+        ModelRunner(None, kv, attention="triton")
 
 
 @pytest.mark.parametrize("method", ["hwm", "sample"])
 def test_peak_memory_sees_a_temporary(method):
-    from minillm.metrics import peak_memory_bytes
+    from minillm.course.timing import peak_memory_bytes
 
     if method == "hwm" and not Path("/proc/self/clear_refs").exists():
         pytest.skip("the kernel's high-water mark is Linux's")
@@ -97,7 +98,7 @@ def test_peak_memory_sees_a_temporary(method):
 
 
 def test_machine_is_named_with_its_memory():
-    from minillm.bench import machine_info, machine_label
+    from minillm.course.bench import machine_info, machine_label
 
     info = machine_info()
     assert info["cores"] >= 1 and info["memory_gib"] > 0 and info["cpu"]

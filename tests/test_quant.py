@@ -10,7 +10,7 @@ from helpers.engine_check import assert_engine_matches_solo
 import minillm
 from minillm.quant import quantize_model, weight_bytes
 from minillm.quant.apply import LINEARS
-from minillm.quant.quality import KL_BOUND, compare, heldout_ids, next_token_logprobs
+from minillm.course.quality import KL_BOUND, compare, heldout_ids, next_token_logprobs
 from minillm.sampling import SamplingParams
 
 
@@ -98,8 +98,8 @@ def test_a_format_that_computes_something_else_gets_no_speed(model, quantized, t
     to time it; the right one passes."""
     from argparse import Namespace
 
-    from minillm.cli import _check_quality
-    from minillm.quant.quality import check_quality
+    from minillm.cli.common import check_quality as _check_quality
+    from minillm.course.quality import check_quality
 
     prompts = [tokenizer.encode(t) for t in TEXTS]
     good = check_quality(quantized["q4_file"], model, prompts)

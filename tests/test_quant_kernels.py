@@ -14,8 +14,8 @@ import torch.nn.functional as F
 from minillm.kv import KVCache
 from minillm.quant import Int8Linear, Q4Linear, W8A8Linear
 from minillm.quant.linear import SMALL_ROWS, cpu_has_vnni, kernel_agrees, quantize_q4_1
-from minillm.quant.quality import KL_BOUND, heldout_ids, next_token_logprobs
-from minillm.runners import KVCacheRunner
+from minillm.course.quality import KL_BOUND, heldout_ids, next_token_logprobs
+from minillm.stages import KVCacheRunner
 
 SHAPES = [(64, 32), (192, 96), (128, 576), (40, 64)]   # (out, in); 40 rows: no packed CPU kernel (needs 64k)
 ROWS = [1, 3, SMALL_ROWS, SMALL_ROWS + 1, 37, 64]       # both sides of the kernel switch

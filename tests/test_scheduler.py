@@ -202,7 +202,7 @@ def test_engine_bookkeeping_under_random_traffic(tokenizer):
 
 
 def test_simulate_shows_the_static_bubble():
-    from minillm.engine.simulate import predicted_seconds, simulate
+    from minillm.course.simulate import predicted_seconds, simulate
 
     prompts, outputs = [3, 3, 3, 3], [10, 2, 2, 2]
     runs = {p: simulate(prompts, outputs, policy=p, max_num_seqs=2) for p in ("static", "continuous")}

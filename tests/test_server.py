@@ -262,8 +262,8 @@ def test_full_queue_answers_503(model, tokenizer):
 
 
 def test_load_generator_measures_a_server(url):
-    from minillm.bench_http import run_http_bench
-    from minillm.bench_serve import load_workload, summarize_system
+    from minillm.course.bench_http import run_http_bench
+    from minillm.course.bench_serve import load_workload, summarize_system
 
     items = load_workload(num_requests=6, length_scale=0.05, request_rate=20.0, seed=1)
     replay = run_http_bench(url, items, max_concurrency=4, progress=False)

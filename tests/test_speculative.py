@@ -5,7 +5,7 @@ import torch
 from helpers import pool_io
 
 from minillm.generate import generate
-from minillm.runners import make_runner
+from minillm.stages import make_runner
 from minillm.sampling import SamplingParams
 from minillm.speculative import DraftModelProposer, LayerSkipProposer, NgramProposer, Proposer
 

@@ -24,10 +24,10 @@ import time
 import torch
 import torch.distributed as dist
 
-from ..kv.prefix_cache import chain_hashes
+from ..kv.manager import Sequence
 from .kv_transfer import TransferFailed, recv_sequence, send_sequence
 
-DECODE, PREFILL = 0, 1
+DECODE_RANK, PREFILL_RANK = 0, 1
 NOTICE = 1                                                        # the tag of "prompt i is ready"
 
 
@@ -38,32 +38,25 @@ def transfer_bytes(cfg, prompt_len: int, block_size: int = 16, dtype_bytes: int 
     return 2 * cfg.n_layers * tokens * cfg.n_kv_heads * cfg.head_dim * dtype_bytes
 
 
-def _full_blocks(pool, prompt_ids: list[int]) -> list[bytes]:
-    """Addresses of the prompt's blocks that a request can take from a cache (all but the last token's)."""
-    bs = pool.block_size
-    return chain_hashes(prompt_ids[:(len(prompt_ids) - 1) // bs * bs], bs)
-
-
-def send_prefix(pool, prompt_ids: list[int], dst: int, break_off: bool = False) -> dict:
+def send_prefix(kv, prompt_ids: list[int], dst: int, break_off: bool = False) -> dict:
     """Send the K/V of the prompt's cached full blocks (a sequence that borrows them while they travel)."""
-    blocks = pool.lookup(_full_blocks(pool, prompt_ids), prompt_ids)
-    pool.allocate("sending", 0)
-    pool.share("sending", blocks)
+    sending = Sequence("sending")
+    blocks = kv.borrow_prefix(sending, prompt_ids)
     try:
-        return send_sequence(pool, "sending", dst, break_off) | {"blocks": len(blocks)}
+        return send_sequence(kv, sending, dst, break_off) | {"blocks": len(blocks)}
     finally:
-        pool.free_seq("sending")                                  # parked again, still cached here
+        kv.free(sending)                                          # parked again, still cached here
 
 
-def recv_prefix(pool, prompt_ids: list[int], src: int) -> dict:
+def recv_prefix(kv, prompt_ids: list[int], src: int) -> dict:
     """Receive a prompt's full blocks into this prefix-caching pool and register them under their
     addresses, parked like blocks this pool computed. TransferFailed (nothing kept) if they do not arrive."""
-    stats = recv_sequence(pool, "arriving", src, sender="the prefill worker")
-    bs, table = pool.block_size, pool.tables["arriving"]
-    for j, address in enumerate(_full_blocks(pool, prompt_ids)):
-        pool.register(table[j], address, prompt_ids[j * bs:(j + 1) * bs])
-    pool.free_seq("arriving")                                     # refcount 0 and registered: parked
-    return stats | {"blocks": len(table)}
+    arriving = Sequence("arriving")
+    stats = recv_sequence(kv, arriving, src, sender="the prefill worker")
+    blocks = len(kv.block_table(arriving))
+    kv.register_prefix(arriving, prompt_ids)
+    kv.free(arriving)                                             # refcount 0 and registered: parked
+    return stats | {"blocks": blocks}
 
 
 def _prefill_worker(engine, prompts, break_at, t0) -> list[tuple]:
@@ -77,8 +70,8 @@ def _prefill_worker(engine, prompts, break_at, t0) -> list[tuple]:
         while engine.has_unfinished_requests():
             engine.step()
         done = time.perf_counter() - t0
-        dist.send(torch.tensor([i]), DECODE, tag=NOTICE)             # "prompt i is ready": the decode
-        send_prefix(engine.pool, prompt, DECODE, break_off=(i == break_at))   # worker takes it between steps
+        dist.send(torch.tensor([i]), DECODE_RANK, tag=NOTICE)             # "prompt i is ready": the decode
+        send_prefix(engine.kv, prompt, DECODE_RANK, break_off=(i == break_at))   # worker takes it between steps
         events += [("prefill", i, start, done), ("send", i, done, time.perf_counter() - t0)]
     return events
 
@@ -87,7 +80,7 @@ def _receive(engine, prompts, i, params, t0) -> dict:
     """Take prompt i's blocks into the prefix cache and queue the request (arrived at t0, with the others)."""
     start = time.perf_counter()
     try:
-        got = recv_prefix(engine.pool, prompts[i], PREFILL) | {"failed": None}
+        got = recv_prefix(engine.kv, prompts[i], PREFILL_RANK) | {"failed": None}
     except TransferFailed as e:                                   # nothing kept: the request is recomputed
         got = {"blocks": 0, "bytes": 0, "seconds": 0.0, "failed": str(e)}
     got["blocks_cached"] = len(engine.pool.cached)                # this pool's registered blocks so far
@@ -108,7 +101,7 @@ class _Notices:
         for _ in range(n):
             ready = torch.zeros(1, dtype=torch.int64)
             try:
-                dist.recv(ready, PREFILL, tag=NOTICE)
+                dist.recv(ready, PREFILL_RANK, tag=NOTICE)
             except RuntimeError as e:
                 self.queue.put(e)
                 return
@@ -163,13 +156,13 @@ def _worker(rank, world, prompts, params, engine_options, break_at, overlap):
     engine = LLMEngine(model, tok, enable_prefix_caching=True, verbose=False, **engine_options)
     dist.barrier()                                                # both loaded: the clock starts together
     t0 = time.perf_counter()
-    if rank == PREFILL:
+    if rank == PREFILL_RANK:
         events = _prefill_worker(engine, prompts, break_at, t0)
-        dist.send(torch.tensor([[kind == "send", i, a, b] for kind, i, a, b in events], dtype=torch.float64), DECODE)
+        dist.send(torch.tensor([[kind == "send", i, a, b] for kind, i, a, b in events], dtype=torch.float64), DECODE_RANK)
         return None
     run = _decode_worker(engine, prompts, params, overlap, t0)
     events = torch.zeros(2 * len(prompts), 4, dtype=torch.float64)   # the prefill worker's timeline
-    dist.recv(events, PREFILL)
+    dist.recv(events, PREFILL_RANK)
     run["prefill"] = [("send" if k else "prefill", int(i), a, b) for k, i, a, b in events.tolist()]
     return run
 

@@ -2,8 +2,11 @@
 point-to-point: the building block of disaggregated serving (a prefill worker computes a prompt's K/V, a
 decode worker continues the request from them).
 
-    send_sequence(pool, seq, dst)     its length, then K and V of its blocks (every layer), in table order
-    recv_sequence(pool, seq, src)     allocates blocks for that length in this pool and fills them
+    send_sequence(kv, seq, dst)     its length, then K and V of its blocks (every layer), in table order
+    recv_sequence(kv, seq, src)     reserves blocks for that length in this pool and fills them
+
+kv is the pool's KV-cache manager (`kv/manager.py`), which makes every change to the pool; seq a
+sequence (anything with a `request_id`, e.g. `kv.manager.Sequence`).
 
 Only the blocks in use travel, and they land wherever this pool has free blocks: the receiver's block
 table is its own. A receive that fails midway (the sender died, the link timed out) frees what it took and
@@ -18,6 +21,7 @@ import torch
 import torch.distributed as dist
 
 from ..kv import BlockPool, kv_cache_bytes
+from ..kv.manager import KVCacheManager, Sequence
 
 
 class TransferFailed(RuntimeError):
@@ -29,13 +33,14 @@ def _check(pool: BlockPool) -> None:
         raise ValueError("send and receive need a float block pool with K/V tensors")
 
 
-def send_sequence(pool: BlockPool, seq, dst: int, break_off: bool = False) -> dict:
+def send_sequence(kv: KVCacheManager, seq, dst: int, break_off: bool = False) -> dict:
     """Send seq's length and K/V blocks to rank dst; {"bytes", "seconds"} of the transfer.
     break_off: stop after K, as a link that fails midway would (to show and test the recompute)."""
+    pool = kv.pool
     _check(pool)
     t0 = time.perf_counter()
-    table = torch.tensor(pool.tables[seq], dtype=torch.int64)
-    dist.send(torch.tensor([pool.lengths[seq]], dtype=torch.int64), dst)
+    table = torch.tensor(kv.block_table(seq), dtype=torch.int64)
+    dist.send(torch.tensor([kv.num_slots(seq)], dtype=torch.int64), dst)
     sent = 0
     for i, cache in enumerate((pool.k, pool.v)):
         ok = not (break_off and i == 1)
@@ -48,9 +53,10 @@ def send_sequence(pool: BlockPool, seq, dst: int, break_off: bool = False) -> di
     return {"bytes": sent, "seconds": time.perf_counter() - t0}
 
 
-def recv_sequence(pool: BlockPool, seq, src: int, sender: str = "the sender") -> dict:
+def recv_sequence(kv: KVCacheManager, seq, src: int, sender: str = "the sender") -> dict:
     """Receive a sequence from rank src into free blocks of this pool, as `seq`; {"bytes", "seconds",
     "length"}. Raises TransferFailed (and holds nothing for seq) if it does not all arrive."""
+    pool = kv.pool
     _check(pool)
     t0 = time.perf_counter()
     length = torch.zeros(1, dtype=torch.int64)
@@ -58,8 +64,8 @@ def recv_sequence(pool: BlockPool, seq, src: int, sender: str = "the sender") ->
         dist.recv(length, src)
     except RuntimeError as e:
         raise TransferFailed(f"no K/V header for sequence {seq} from rank {src}: {str(e).splitlines()[0]}") from None
-    pool.allocate(seq, int(length))                     # OutOfBlocks: the caller waits or recomputes
-    table = torch.tensor(pool.tables[seq], dtype=torch.int64)
+    kv.reserve(seq, int(length))                        # OutOfBlocks: the caller waits or recomputes
+    table = torch.tensor(kv.block_table(seq), dtype=torch.int64)
     got = 0
     try:
         for cache in (pool.k, pool.v):
@@ -72,10 +78,10 @@ def recv_sequence(pool: BlockPool, seq, src: int, sender: str = "the sender") ->
             cache[:, table] = blocks
             got += blocks.numel() * blocks.element_size()
     except TransferFailed:
-        pool.free_seq(seq)
+        kv.free(seq)
         raise
     except RuntimeError as e:
-        pool.free_seq(seq)
+        kv.free(seq)
         raise TransferFailed(f"K/V of sequence {seq} from rank {src} broke off after {got} bytes: "
                              f"{str(e).splitlines()[0]}") from None
     return {"bytes": got, "seconds": time.perf_counter() - t0, "length": int(length)}
@@ -89,22 +95,23 @@ def transfer_costs(rank: int, world: int, lengths: list[int], repeats: int = 5) 
     from ..config import ModelConfig
 
     cfg = ModelConfig()
-    pool = BlockPool(cfg, num_blocks=-(-max(lengths) // 16) + 1, block_size=16)
+    kv = KVCacheManager(BlockPool(cfg, num_blocks=-(-max(lengths) // 16) + 1, block_size=16))
+    seq = Sequence(0)
     out = {}
     for n in lengths:
         times = []
         for _ in range(repeats):
             dist.barrier()
             if rank == 0:
-                pool.allocate(0, n)
+                kv.reserve(seq, n)
                 t0 = time.perf_counter()
-                send_sequence(pool, 0, dst=1)
+                send_sequence(kv, seq, dst=1)
                 dist.recv(torch.zeros(1), 1)            # the receiver has it all: the transfer is over
                 times.append(time.perf_counter() - t0)
             else:
-                recv_sequence(pool, 0, src=0)
+                recv_sequence(kv, seq, src=0)
                 dist.send(torch.zeros(1), 0)
-            pool.free_seq(0)
+            kv.free(seq)
         if rank == 0:
             out[n] = {"bytes": kv_cache_bytes(cfg, -(-n // 16) * 16), "seconds": statistics.median(times)}
     return out if rank == 0 else None

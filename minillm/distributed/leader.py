@@ -24,7 +24,8 @@ import torch.distributed as dist
 
 from ..engine.runner import ModelRunner
 from ..kv import BlockPool
-from ..runners import KVCacheRunner
+from ..kv.manager import KVCacheManager
+from ..stages import KVCacheRunner
 
 STOP, PREFILL, DECODE, ENGINE, STEP = 0, 1, 2, 3, 4
 
@@ -58,13 +59,6 @@ def unpack_step(flat: list[int]) -> tuple:
     return ids, positions, tables, q_lens, k_lens, logit_rows, (None if n_layers < 0 else n_layers), copies
 
 
-def copy_blocks(pool, copies) -> None:
-    """Make the copy-on-write copies the leader's pool made: the first `tokens` slots of block a into b."""
-    for a, b, tokens in copies:
-        pool.k[:, b, :tokens] = pool.k[:, a, :tokens]
-        pool.v[:, b, :tokens] = pool.v[:, a, :tokens]
-
-
 class LeaderRunner(KVCacheRunner):
     """The kv stage's runner on rank 0 of a tensor-parallel model: each pass is announced first."""
 
@@ -94,7 +88,7 @@ def leader_engine(model, tokenizer, **options):
     step's forward pass is announced to the other ranks, whose pools (same blocks, their heads) follow."""
     from ..engine import LLMEngine
 
-    if options.get("kv_cache_dtype") not in (None, "model") or getattr(model, "kv_cache_dtype", None):
+    if options.get("kv_cache_dtype"):
         raise ValueError("a tensor-parallel engine keeps its KV cache in the model's dtype; drop kv_cache_dtype")
     engine = LLMEngine(model, tokenizer, attention="torch", runner_cls=LeaderModelRunner, **options)
     announce(ENGINE, [engine.pool.num_blocks, engine.pool.block_size])
@@ -119,11 +113,11 @@ def follow(model) -> int:
             runner.decode_batch(ids.tolist())
         elif op == ENGINE:                                          # an engine: a pool like rank 0's
             num_blocks, block_size = ids.tolist()
-            runner = ModelRunner(model, BlockPool(model.cfg, num_blocks, block_size, model.dtype, model.device),
-                                 "torch")
+            pool = BlockPool(model.cfg, num_blocks, block_size, model.dtype, model.device)
+            runner = ModelRunner(model, KVCacheManager(pool), "torch")
         elif op == STEP and isinstance(runner, ModelRunner):
             *step, copies = unpack_step(ids.tolist())
-            copy_blocks(runner.pool, copies)
+            runner.kv.copy_blocks(copies)
             with torch.inference_mode():
                 runner.forward_tables(*step)
         else:

@@ -130,7 +130,7 @@ def shard_model(model, rank: int, world: int):
     Needs an initialised process group of `world` ranks (any backend) and an unquantized model."""
     cfg = model.cfg
     check_tensor_parallel(cfg, world)
-    if getattr(model, "quant", None):
+    if model.quant:
         raise ValueError("tensor parallelism splits float weights; load the model without quant=")
     H, n_kv, hd, ffn = cfg.n_heads // world, cfg.n_kv_heads // world, cfg.head_dim, cfg.ffn_dim // world
     for block in model.layers:
@@ -150,6 +150,5 @@ def shard_model(model, rank: int, world: int):
     vocab = cfg.vocab_size // world
     model.tok_emb = VocabParallelEmbedding(_rows(model.tok_emb.weight, rank * vocab, vocab), rank * vocab)
     model.lm_head = VocabParallelHead(model.tok_emb, world)
-    model.cfg = dataclasses.replace(cfg, n_heads=H, n_kv_heads=n_kv)   # this rank's heads: caches follow
-    model.tensor_parallel = (rank, world)
+    model.cfg = dataclasses.replace(cfg, n_heads=H, n_kv_heads=n_kv)   # the shape this rank holds: caches follow
     return model

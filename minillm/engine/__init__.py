@@ -5,7 +5,6 @@
     runner.py      all scheduled tokens packed into one forward pass over the paged KV cache
     llm_engine.py  EngineConfig; LLMEngine: add_request / step / abort_request / stats
     llm.py         LLM: generate(prompts) and chat(conversations) for scripts and notebooks
-    simulate.py    the scheduler without the model (schedules in no time), and step costs to price them
 """
 from .llm import LLM
 from .llm_engine import EngineConfig, LLMEngine

@@ -51,19 +51,19 @@ class EngineConfig:
     enable_prefix_caching: bool = True
     speculative: object = None              # a proposer: "ngram", "layers:N" or a speculative.Proposer
     num_speculative_tokens: int = 4
-    kv_cache_dtype: str | None = "model"    # None, "int8", "int4"; "model": the model's kv_cache_dtype
+    kv_cache_dtype: str | None = None       # None (the model's dtype), "int8", "int4"
     verbose: bool = True                    # log the KV cache's size at INFO level
 
 
 class LLMEngine:
     def __init__(self, model, tokenizer, config: EngineConfig | None = None, *, runner_cls=ModelRunner,
                  **options):
-        """config, or its fields as keywords. runner_cls(model, pool, attention): what runs the
+        """config, or its fields as keywords. runner_cls(model, kv, attention): what runs the
         step's forward pass (a tensor-parallel leader passes one that also drives the other ranks;
         a simulation one that computes nothing)."""
         self.config = c = dataclasses.replace(config or EngineConfig(), **options)
         cfg = model.cfg
-        kv_dtype = getattr(model, "kv_cache_dtype", None) if c.kv_cache_dtype == "model" else c.kv_cache_dtype
+        kv_dtype = c.kv_cache_dtype
         self.model, self.tokenizer = model, tokenizer
         self.max_model_len = min(c.max_model_len or cfg.max_seq_len, cfg.max_seq_len)
         if not c.enable_chunked_prefill and c.max_num_batched_tokens < self.max_model_len:
@@ -85,7 +85,7 @@ class LLMEngine:
         self.kv = KVCacheManager(pool, log_copies=getattr(runner_cls, "needs_kv_copies", False))
         self.capacity_tokens = num_blocks * c.block_size
         self.max_len = min(self.max_model_len, self.capacity_tokens)   # longest request that can ever run
-        self.runner = runner_cls(model, pool, c.attention)
+        self.runner = runner_cls(model, self.kv, c.attention)
         self.speculator = None if c.speculative is None else Speculator(c.speculative, self.runner,
                                                                           c.num_speculative_tokens)
         self.scheduler = Scheduler(self.kv, c.max_num_seqs, c.max_num_batched_tokens, c.policy,

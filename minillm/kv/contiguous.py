@@ -11,6 +11,9 @@ new slot and attends over all slots so far. Slot s holds position s, so a query
 at position p may attend slots 0 .. p (`mask_from_positions`), which also hides
 a shorter sequence's unused slots in a batch.
 
+The model sees the cache through `CachedAttention`, its attention context (`model.py`): in each
+layer it stores the new K/V and attends the queries over everything cached.
+
 Size: tokens x layers x kv_heads x head_dim x 2 (K and V) x bytes per value. With
 `kv_dtype="int8"` or `"int4"` the values are stored quantized (`quantized.py`) and read back
 dequantized: 1 or 1/2 byte per value, plus a float16 scale per token and KV head.
@@ -90,3 +93,16 @@ class KVCache:
         if not 0 <= length <= self.lengths[seq]:
             raise ValueError(f"cannot truncate to {length} tokens: the sequence holds {self.lengths[seq]}")
         self.lengths[seq] = length
+
+
+class CachedAttention:
+    """Stages 2-3's attention context: store this step's K/V in `cache`, attend over all it holds.
+
+    attn_fn(q, k, v, mask) does the attending: SDPA (stage 2) or the Triton kernels (stage 3)."""
+
+    def __init__(self, cache: KVCache, attn_fn, mask: torch.Tensor | None = None):
+        self.cache, self.attn_fn, self.mask = cache, attn_fn, mask
+
+    def attend(self, layer: int, q, k, v):
+        k, v = self.cache.update(layer, k, v)                           # (B, n_kv, S, hd)
+        return self.attn_fn(q, k, v, self.mask)                         # (B, H, T, hd)

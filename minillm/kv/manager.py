@@ -12,14 +12,31 @@ in requests. Between them sits this manager, and nothing else in the engine touc
     truncate(req, n)            keep n tokens: rejected drafts' K/V are forgotten
     free(req)                   give back req's blocks (cached ones stay findable)
 
+K/V that arrive from elsewhere (another worker, another rank) go through it too:
+
+    reserve(seq, n)             seq holds room for n tokens, to be filled by a transfer
+    borrow_prefix(seq, tokens)  seq holds the cached blocks of tokens' prefix while they are sent
+    register_prefix(seq, tokens)  seq's full blocks become findable as tokens' prefix
+    copy_blocks(copies)         make another pool's copy-on-write copies here too (tensor parallelism)
+
 A request carries what the manager needs to know about it: its tokens, `num_computed_tokens` (how many
 of them have K/V), and the content addresses of its full blocks so far (`block_hashes`, the first
 `num_hashed_blocks` of them registered in the cache).
 """
 from __future__ import annotations
 
+from dataclasses import dataclass, field
+
 from .paged import BlockPool
 from .prefix_cache import PrefixCachingPool, chain_hashes
+
+
+@dataclass
+class Sequence:
+    """What the manager needs of a sequence that is not an engine request (the paged stage's)."""
+    request_id: int
+    block_hashes: list = field(default_factory=list)
+    num_hashed_blocks: int = 0
 
 
 class KVCacheManager:
@@ -110,3 +127,33 @@ class KVCacheManager:
     def free(self, req) -> None:
         """Give back req's blocks (shared ones stay until their last user lets go; cached ones stay findable)."""
         self.pool.free_seq(req.request_id)
+
+    # ------------------------------------------------------------ K/V from elsewhere
+    def reserve(self, seq, n: int) -> None:
+        """seq starts holding room for n tokens (OutOfBlocks, changing nothing, if the pool lacks it)."""
+        self.pool.allocate(seq.request_id, n)
+
+    def _prefix_addresses(self, tokens: list[int]) -> list[bytes]:
+        """Addresses of the blocks of tokens that a request can take from the cache (all but the last token's)."""
+        bs = self.block_size
+        return chain_hashes(tokens[:(len(tokens) - 1) // bs * bs], bs)
+
+    def borrow_prefix(self, seq, tokens: list[int]) -> list[int]:
+        """seq holds the cached blocks of tokens' longest cached prefix (free it when done); their ids."""
+        blocks = self.pool.lookup(self._prefix_addresses(tokens), tokens)
+        self.pool.allocate(seq.request_id, 0)
+        self.pool.share(seq.request_id, blocks)
+        return blocks
+
+    def register_prefix(self, seq, tokens: list[int]) -> None:
+        """seq's blocks, filled with the K/V of tokens' prefix, become findable by content."""
+        bs, table = self.block_size, self.pool.tables[seq.request_id]
+        for j, address in enumerate(self._prefix_addresses(tokens)):
+            self.pool.register(table[j], address, tokens[j * bs:(j + 1) * bs])
+
+    def copy_blocks(self, copies: list[tuple[int, int, int]]) -> None:
+        """Make copy-on-write copies another pool made: the first `tokens` slots of block a into b."""
+        pool = self.pool
+        for a, b, tokens in copies:
+            pool.k[:, b, :tokens] = pool.k[:, a, :tokens]
+            pool.v[:, b, :tokens] = pool.v[:, a, :tokens]

@@ -7,9 +7,8 @@
     triton_matmul.py the GPU kernel: dequantize 8- or 4-bit weight tiles in registers and multiply
     apply.py         quantize_model(model, "int8" | "w8a8" | "q4" | "q4_file"): swap them in, in place
     smoothquant.py   per-channel scales that move activation outliers into the weights (for w8a8)
-    quality.py       KL divergence, top-1 agreement and perplexity against the float32 model
 """
-from ..roofline import weight_bytes  # bytes of parameters and buffers: quantized codes and scales too
+from ..model import weight_bytes  # bytes of parameters and buffers: quantized codes and scales too
 from .apply import FORMATS, check_format, quantize_model
 from .gguf_blocks import Q4Weight, Q8Weight, read_q4_1, read_q8_0
 from .linear import Int8Linear, Q4Linear, W8A8Linear

@@ -50,7 +50,7 @@ def quantize_model(model, quant: str, path: str | Path | None = None, smooth: di
         default: none, plain per-token int8.
     """
     check_format(quant)
-    if getattr(model, "quant", None):
+    if model.quant:
         raise ValueError(f"the model is already quantized ({model.quant}); load it again to change format")
     device = model.device
     file_weights = _file_q4_weights(model.cfg, path) if quant == "q4_file" else None

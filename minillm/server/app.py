@@ -32,90 +32,54 @@ from .protocol import APIError, ChatRequest, CompletionRequest, validation_messa
 MAX_BODY_BYTES = 1 << 20      # 1 MiB: far more than a full context of text or token ids
 
 
-def create_app(engine, model_name: str, api_key: str | None = None, max_queued_requests: int | None = None,
-               metrics=None) -> FastAPI:
-    """engine: an LLMEngine (its thread starts with the app). metrics: a ServerMetrics, or None for a new one."""
-    from .metrics import ServerMetrics
+class _API:
+    """The routes of one server: an engine in its thread, the name it serves, its tokenizer."""
 
-    metrics = metrics or ServerMetrics(model_name)
-    aengine = AsyncEngine(engine, metrics, max_queued_requests)
-    tok = engine.tokenizer
-
-    @asynccontextmanager
-    async def lifespan(app):
-        aengine.start()
-        yield
-        aengine.stop()
-
-    app = FastAPI(title="minillm", lifespan=lifespan)
-    app.state.engine, app.state.metrics = aengine, metrics
-
-    @app.exception_handler(APIError)
-    async def api_error(request, e: APIError):
-        return JSONResponse(e.body(), status_code=e.status)
-
-    @app.exception_handler(StarletteHTTPException)
-    async def http_error(request, e):
-        msg = f"no route {request.method} {request.url.path}" if e.status_code in (404, 405) else str(e.detail)
-        return JSONResponse(APIError(e.status_code, msg).body(), status_code=e.status_code)
-
-    @app.middleware("http")
-    async def check_key(request: Request, call_next):
-        if api_key is not None and request.url.path != "/health":
-            given = request.headers.get("authorization", "")
-            if not secrets.compare_digest(given.encode(), f"Bearer {api_key}".encode()):
-                what = "a wrong API key" if given else "no API key"
-                e = APIError(401, f"{what}: send the header 'Authorization: Bearer <key>' with the server's "
-                                  f"--api-key", code="invalid_api_key")
-                return JSONResponse(e.body(), status_code=401)
-        return await call_next(request)
+    def __init__(self, engine, aengine: AsyncEngine, model_name: str, metrics):
+        self.engine, self.aengine, self.model_name, self.metrics = engine, aengine, model_name, metrics
+        self.tok = engine.tokenizer
 
     # ------------------------------------------------------------ simple routes
-    @app.get("/health")
-    async def health():
-        if not aengine.healthy:
-            return JSONResponse(APIError(503, f"the engine is not running: {aengine.error!r}").body(), 503)
+    async def health(self):
+        if not self.aengine.healthy:
+            return JSONResponse(APIError(503, f"the engine is not running: {self.aengine.error!r}").body(), 503)
         return {"status": "ok"}
 
-    @app.get("/metrics")
-    async def get_metrics():
-        return Response(metrics.render(), media_type="text/plain; version=0.0.4; charset=utf-8")
+    async def get_metrics(self):
+        return Response(self.metrics.render(), media_type="text/plain; version=0.0.4; charset=utf-8")
 
-    @app.get("/v1/models")
-    async def models():
-        return {"object": "list", "data": [{"id": model_name, "object": "model", "created": int(time.time()),
-                                            "owned_by": "minillm", "max_model_len": engine.max_len}]}
+    async def models(self):
+        return {"object": "list", "data": [{"id": self.model_name, "object": "model", "created": int(time.time()),
+                                            "owned_by": "minillm", "max_model_len": self.engine.max_len}]}
 
     # ------------------------------------------------------------ generation routes
-    @app.post("/v1/completions")
-    async def completions(request: Request):
+    async def completions(self, request: Request):
         body = await _parse(request, CompletionRequest)
         prompts = body.prompt if isinstance(body.prompt, list) and body.prompt and \
             isinstance(body.prompt[0], (str, list)) else [body.prompt]
-        ids = [tok.encode(p) if isinstance(p, str) else p for p in prompts]
-        return await _run(request, body, ids, chat=False)
+        ids = [self.tok.encode(p) if isinstance(p, str) else p for p in prompts]
+        return await self._run(request, body, ids, chat=False)
 
-    @app.post("/v1/chat/completions")
-    async def chat_completions(request: Request):
+    async def chat_completions(self, request: Request):
         body = await _parse(request, ChatRequest)
         if not body.messages:
             raise APIError(400, "'messages' is empty: give at least one message", "messages")
         msgs = [{"role": "system" if m.role == "developer" else m.role, "content": m.text()} for m in body.messages]
         try:
-            ids = tok.apply_chat_template(msgs)
+            ids = self.tok.apply_chat_template(msgs)
         except ValueError as e:
             raise APIError(400, str(e), "messages") from None
-        return await _run(request, body, [ids], chat=True)
+        return await self._run(request, body, [ids], chat=True)
 
     # ------------------------------------------------------------ the work
-    def _model_check(body) -> None:
-        if body.model != model_name:
-            raise APIError(404, f"the model '{body.model}' does not exist; this server has '{model_name}' "
+    def _model_check(self, body) -> None:
+        if body.model != self.model_name:
+            raise APIError(404, f"the model '{body.model}' does not exist; this server has '{self.model_name}' "
                                 f"(GET /v1/models)", "model", "model_not_found")
 
-    def _params(body, prompt_len: int, chat: bool) -> SamplingParams:
+    def _params(self, body, prompt_len: int, chat: bool) -> SamplingParams:
         max_tokens = body.max_completion_tokens if chat and body.max_completion_tokens is not None else body.max_tokens
-        limit = engine.max_len
+        limit = self.engine.max_len
         if prompt_len >= limit:
             raise APIError(400, f"this model's context is {limit} tokens and the prompt has {prompt_len}; "
                                 f"shorten it to at most {limit - 1}", "messages" if chat else "prompt",
@@ -144,35 +108,85 @@ def create_app(engine, model_name: str, api_key: str | None = None, max_queued_r
             raise APIError(400, msg.replace("logprobs", "top_logprobs") if param == "logprobs" else msg,
                            "top_logprobs" if param == "logprobs" else param) from None
 
-    async def _run(request: Request, body, prompts: list[list[int]], chat: bool):
-        _model_check(body)
+    async def _run(self, request: Request, body, prompts: list[list[int]], chat: bool):
+        self._model_check(body)
         if not prompts or not all(prompts):
             raise APIError(400, "the prompt is empty: give at least one token", "prompt")
-        most = engine.scheduler.max_num_seqs
+        most = self.engine.scheduler.max_num_seqs
         if not 1 <= body.n * len(prompts) <= most:       # every choice is a sequence of its own
             raise APIError(400, f"'n' x prompts must be in [1, {most}] (the sequences the server runs at once); "
                                 f"got n={body.n} for {len(prompts)} prompt(s)", "n")
-        params = [_params(body, len(p), chat) for p in prompts]
+        params = [self._params(body, len(p), chat) for p in prompts]
         for p in prompts:
             try:
-                engine.check_prompt(p)
+                self.engine.check_prompt(p)
             except ValueError as e:
                 raise APIError(400, str(e), "prompt") from None
         rid = f"{'chatcmpl' if chat else 'cmpl'}-{uuid.uuid4().hex}"
-        if not aengine.healthy:
-            raise APIError(503, f"the engine is not running: {aengine.error!r}")
+        if not self.aengine.healthy:
+            raise APIError(503, f"the engine is not running: {self.aengine.error!r}")
         try:
-            aengine.check_room(len(prompts))
+            self.aengine.check_room(len(prompts))
         except QueueFull as e:
             raise APIError(503, str(e), code="queue_full") from None
-        streams = [aengine.generate(f"{rid}-{i}", p, sp, body.n) for i, (p, sp) in enumerate(zip(prompts, params))]
+        streams = [self.aengine.generate(f"{rid}-{i}", p, sp, body.n) for i, (p, sp) in enumerate(zip(prompts, params))]
         index = {f"{rid}-{i}" + (f"/{j}" if j else ""): i * body.n + j for i in range(len(prompts)) for j in range(body.n)}
-        shape = _Shape(rid, model_name, chat, tok, sum(map(len, prompts)))
+        shape = _Shape(rid, self.model_name, chat, self.tok, sum(map(len, prompts)))
         if body.stream:
             usage = body.stream_options is not None and body.stream_options.include_usage
             return StreamingResponse(_sse(shape, _merge(streams), index, usage), media_type="text/event-stream")
         return await _whole(request, shape, _merge(streams), index)
 
+
+async def _api_error(request, e: APIError):
+    return JSONResponse(e.body(), status_code=e.status)
+
+
+async def _http_error(request, e):
+    msg = f"no route {request.method} {request.url.path}" if e.status_code in (404, 405) else str(e.detail)
+    return JSONResponse(APIError(e.status_code, msg).body(), status_code=e.status_code)
+
+
+def _key_check(api_key: str):
+    """Middleware: every route but /health needs 'Authorization: Bearer <api_key>'."""
+    async def check_key(request: Request, call_next):
+        if request.url.path != "/health":
+            given = request.headers.get("authorization", "")
+            if not secrets.compare_digest(given.encode(), f"Bearer {api_key}".encode()):
+                what = "a wrong API key" if given else "no API key"
+                e = APIError(401, f"{what}: send the header 'Authorization: Bearer <key>' with the server's "
+                                  f"--api-key", code="invalid_api_key")
+                return JSONResponse(e.body(), status_code=401)
+        return await call_next(request)
+    return check_key
+
+
+def create_app(engine, model_name: str, api_key: str | None = None, max_queued_requests: int | None = None,
+               metrics=None) -> FastAPI:
+    """engine: an LLMEngine (its thread starts with the app). metrics: a ServerMetrics, or None for a new one."""
+    from .metrics import ServerMetrics
+
+    metrics = metrics or ServerMetrics(model_name)
+    aengine = AsyncEngine(engine, metrics, max_queued_requests)
+    api = _API(engine, aengine, model_name, metrics)
+
+    @asynccontextmanager
+    async def lifespan(app):
+        aengine.start()
+        yield
+        aengine.stop()
+
+    app = FastAPI(title="minillm", lifespan=lifespan)
+    app.state.engine, app.state.metrics = aengine, metrics
+    app.add_exception_handler(APIError, _api_error)
+    app.add_exception_handler(StarletteHTTPException, _http_error)
+    if api_key is not None:
+        app.middleware("http")(_key_check(api_key))
+    app.get("/health")(api.health)
+    app.get("/metrics")(api.get_metrics)
+    app.get("/v1/models")(api.models)
+    app.post("/v1/completions")(api.completions)
+    app.post("/v1/chat/completions")(api.chat_completions)
     return app
 
 

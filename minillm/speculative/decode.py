@@ -16,14 +16,14 @@ from __future__ import annotations
 import time
 from typing import Iterator
 
-from ..runners import make_runner
+from ..stages import make_runner
 from ..sampling import SamplingParams, make_generator, sample_next_token
 from .proposers import make_proposer
 from .verify import target_probs, verify
 
 
 def speculative_decode(model, prompt_ids: list[int], params: SamplingParams, stage: str, proposer, k: int,
-                       detok, out) -> Iterator[str]:
+                       detok, out, kv_cache_dtype: str | None = None) -> Iterator[str]:
     """Yield text chunks as `detok` (the sequence's IncrementalDetokenizer) releases them; fill `out`
     (a generate.Generation) with the timings and the speculation counters."""
     if not isinstance(k, int) or k < 1:
@@ -33,7 +33,7 @@ def speculative_decode(model, prompt_ids: list[int], params: SamplingParams, sta
                          f"or continuous; got {stage!r}")
     proposer = make_proposer(proposer)
     P = len(prompt_ids)
-    runner = make_runner(model, stage, max_len=min(P + params.max_tokens + k + 1, model.cfg.max_seq_len))
+    runner = make_runner(model, stage, min(P + params.max_tokens + k + 1, model.cfg.max_seq_len), kv_cache_dtype)
     gen = None if params.greedy else make_generator(params.seed)
     history = list(prompt_ids)
 

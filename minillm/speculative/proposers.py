@@ -113,7 +113,7 @@ class DraftModelProposer(Proposer):
         self.model, self.stage, self.name = model, stage, name
 
     def start(self, runner, params, generator) -> None:
-        from ..runners import make_runner
+        from ..stages import make_runner
 
         super().start(runner, params, generator)
         self.draft = make_runner(self.model, self.stage, max_len=runner.max_len)

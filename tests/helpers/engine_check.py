@@ -2,10 +2,10 @@
 each request's tokens with the same model's single-stream kv-stage tokens."""
 from minillm.engine import LLMEngine
 from minillm.generate import generate
-from minillm.runners import KVCacheRunner
+from minillm.stages import KVCacheRunner
 
 
-def assert_engine_matches_solo(model, tokenizer, texts, params, near_tie: float = 0.0):
+def assert_engine_matches_solo(model, tokenizer, texts, params, near_tie: float = 0.0, kv_cache_dtype=None):
     """near_tie = 0: every request's tokens equal its single-stream tokens exactly.
 
     near_tie > 0, for models that round activations to bfloat16 (weight-only quantized layers): there a
@@ -14,8 +14,9 @@ def assert_engine_matches_solo(model, tokenizer, texts, params, near_tie: float 
     token the engine emits is then checked against the single-stream model fed the engine's own tokens so
     far: it must be that model's top token, or within near_tie of its logit."""
     prompts = [tokenizer.encode(t) for t in texts]
-    solo = [generate(model, tokenizer, p, params, stage="kv").token_ids for p in prompts]
-    engine = LLMEngine(model, tokenizer, block_size=4, num_blocks=12, max_num_batched_tokens=8)
+    solo = [generate(model, tokenizer, p, params, stage="kv", kv_cache_dtype=kv_cache_dtype).token_ids for p in prompts]
+    engine = LLMEngine(model, tokenizer, block_size=4, num_blocks=12, max_num_batched_tokens=8,
+                       kv_cache_dtype=kv_cache_dtype)
     for i, p in enumerate(prompts):
         engine.add_request(i, p, params)
     finals = {}
@@ -30,7 +31,7 @@ def assert_engine_matches_solo(model, tokenizer, texts, params, near_tie: float 
         return engine
     for i, (p, tokens) in enumerate(zip(prompts, got)):
         assert len(tokens) == len(solo[i]), f"request {i}: {len(tokens)} tokens, single-stream {len(solo[i])}"
-        runner = KVCacheRunner(model)
+        runner = KVCacheRunner(model, kv_cache_dtype=kv_cache_dtype)
         logits = runner.prefill(p)
         for j, t in enumerate(tokens):
             top = int(logits.argmax())

@@ -10,7 +10,7 @@ import uvicorn
 
 from minillm.engine import LLMEngine
 from minillm.server import create_app
-from minillm.server.launch import free_port
+from minillm.course.launch_server import free_port
 
 
 @contextmanager

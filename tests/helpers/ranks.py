@@ -40,6 +40,7 @@ def _pool(seed, taken):
 
 def kv_send_then_receive(rank, world):
     from minillm.distributed.kv_transfer import recv_sequence, send_sequence
+    from minillm.kv.manager import KVCacheManager, Sequence
 
     g = torch.Generator().manual_seed(0)
     k, v = torch.randn(2, 10, 1, 8, generator=g), torch.randn(2, 10, 1, 8, generator=g)   # (layers, T, n_kv, hd)
@@ -48,9 +49,9 @@ def kv_send_then_receive(rank, world):
         slots = pool.allocate(7, 10)
         for layer in range(2):
             pool_io.write(pool, layer, slots, k[layer], v[layer])
-        return send_sequence(pool, 7, dst=1)
+        return send_sequence(KVCacheManager(pool), Sequence(7), dst=1)
     pool = _pool(1, taken=3)                               # the blocks land elsewhere here
-    stats = recv_sequence(pool, 7, src=0)
+    stats = recv_sequence(KVCacheManager(pool), Sequence(7), src=0)
     same = all(torch.equal(pool_io.gather(pool, layer, 7)[0], k[layer]) and torch.equal(pool_io.gather(pool, layer, 7)[1], v[layer])
                for layer in range(2))
     assert same and stats["length"] == 10 and pool.tables[7] != [1, 2, 3], (stats, pool.tables)
@@ -60,6 +61,7 @@ def kv_send_then_receive(rank, world):
 def kv_sender_dies_midway(rank, world, report):
     """Rank 1 sends the header of a sequence, then dies; rank 0, receiving, writes what happened to `report`."""
     from minillm.distributed.kv_transfer import TransferFailed, recv_sequence
+    from minillm.kv.manager import KVCacheManager, Sequence
 
     if rank == 1:
         dist.send(torch.tensor([10], dtype=torch.int64), 0)     # the header, then nothing
@@ -67,7 +69,7 @@ def kv_sender_dies_midway(rank, world, report):
     pool = _pool(1, taken=3)
     free = pool.num_free_blocks
     try:
-        recv_sequence(pool, 7, src=1)
+        recv_sequence(KVCacheManager(pool), Sequence(7), src=1)
         outcome = "the transfer did not fail"
     except TransferFailed as e:
         kept = 7 in pool.tables or pool.num_free_blocks != free

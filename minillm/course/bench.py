@@ -20,11 +20,11 @@ from pathlib import Path
 import torch
 from tqdm import tqdm
 
-from .generate import Generation, generate
+from ..generate import Generation, generate
 from .roofline import measure_copy_bandwidth, weight_bytes
-from .sampling import SamplingParams
+from ..sampling import SamplingParams
 
-DEFAULT_PROMPTS = Path(__file__).resolve().parent.parent / "data" / "prompts.jsonl"
+DEFAULT_PROMPTS = Path(__file__).resolve().parents[2] / "data" / "prompts.jsonl"
 
 
 def _cpu_name() -> str:
@@ -83,7 +83,7 @@ def machine_caption(fig, info: dict | None = None, source: str = "measured live"
     fig.text(0.995, 0.005, f"{source}: {machine_label(info)}", ha="right", va="bottom", fontsize=7, color="gray")
 
 
-RESULTS = Path(__file__).resolve().parent.parent / "benchmarks" / "results"
+RESULTS = Path(__file__).resolve().parents[2] / "benchmarks" / "results"
 
 
 def load_result(name: str) -> dict | None:
@@ -123,7 +123,7 @@ def load_transformers_peer(model_path=None):
     except ImportError:
         raise ValueError("--peer transformers needs transformers and accelerate: "
                          "pip install transformers accelerate") from None
-    from .weights import find_model
+    from ..weights import find_model
 
     path = find_model(model_path)
     kwargs = {} if path.is_dir() else {"gguf_file": path.name}
@@ -160,8 +160,9 @@ def peer_generate(hf_model, ids: list[int], max_tokens: int, stop_ids) -> Genera
 
 
 def run_bench(model, tokenizer, stages: list[str], prompts: list[dict], max_tokens: int = 64,
-              repeats: int = 1, warmup: bool = True, peer=None) -> dict:
-    """Each stage (and the peer, if given) on every prompt, taking turns; medians per stage."""
+              repeats: int = 1, warmup: bool = True, peer=None, kv_cache_dtype: str | None = None) -> dict:
+    """Each stage (and the peer, if given) on every prompt, taking turns; medians per stage.
+    kv_cache_dtype: how the stages' caches store K/V (None: the model's dtype)."""
     params = SamplingParams(max_tokens=max_tokens)
     encoded = [prompt_ids(tokenizer, p) for p in prompts]
     names = stages + (["transformers"] if peer is not None else [])
@@ -169,7 +170,7 @@ def run_bench(model, tokenizer, stages: list[str], prompts: list[dict], max_toke
     def run(name, ids, n):
         if name == "transformers":
             return peer_generate(peer, ids, n, tokenizer.stop_ids)
-        return generate(model, tokenizer, ids, SamplingParams(max_tokens=n), name)
+        return generate(model, tokenizer, ids, SamplingParams(max_tokens=n), name, kv_cache_dtype=kv_cache_dtype)
 
     if warmup:  # first calls pay for allocations and lazy init; keep them out of the numbers
         for name in names:

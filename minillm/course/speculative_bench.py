@@ -16,8 +16,8 @@ import torch
 from tqdm.auto import tqdm
 
 from ..generate import generate
-from ..metrics import median_time
-from ..runners import make_runner
+from .timing import median_time
+from ..stages import make_runner
 from ..sampling import SamplingParams
 
 

@@ -5,7 +5,7 @@ import random
 
 import torch
 
-from ..speculative.verify import verify_greedy
+from ...speculative.verify import verify_greedy
 from .check import Case, run_checks
 
 

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import torch
 
-from .naive import naive_attention
+from ..attention.naive import naive_attention
 
 
 def _cu(lens: list[int]) -> torch.Tensor:
@@ -21,7 +21,7 @@ def flash_kernel_checks(seed: int = 2) -> dict:
     """The prefill kernel on three packed sequences (ragged, one with a cached prefix of 30 keys), and the
     decode kernel split over 4 key slices on three cache lengths, both with 9 query and 3 KV heads of 64.
     Returns the worst absolute error of each against float64."""
-    from .triton_flash import INTERPRETED, decode_attention, flash_attn_varlen
+    from ..attention.triton_flash import INTERPRETED, decode_attention, flash_attn_varlen
 
     g = torch.Generator().manual_seed(seed)
     lens_q, lens_k = [1, 37, 100], [1, 37, 130]

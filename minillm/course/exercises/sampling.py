@@ -3,7 +3,7 @@ from __future__ import annotations
 
 import torch
 
-from ..sampling import min_p_filter, top_p_filter
+from ...sampling import min_p_filter, top_p_filter
 from .check import Case, run_checks
 
 

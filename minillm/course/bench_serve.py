@@ -28,10 +28,10 @@ from pathlib import Path
 import torch
 from tqdm import tqdm
 
-from .metrics import summarize
-from .sampling import SamplingParams
+from .timing import summarize
+from ..sampling import SamplingParams
 
-DEFAULT_TRACE = Path(__file__).resolve().parent.parent / "data" / "request_trace.jsonl"
+DEFAULT_TRACE = Path(__file__).resolve().parents[2] / "data" / "request_trace.jsonl"
 SYSTEMS = ("continuous", "static", "transformers")
 
 
@@ -213,7 +213,7 @@ def run_serve_bench(model, tokenizer, items: list[WorkItem], systems=("continuou
     """Each system replays the same workload, one after the other. Returns a summary per system
     and the replays (per-request records and the step timeline), by system name.
     on_result(summary) is called as each system finishes."""
-    from .engine import LLMEngine
+    from ..engine import LLMEngine
 
     results, replays = [], {}
     for system in systems:

@@ -14,17 +14,26 @@ The cached runners (kv, flash, paged) also serve speculative decoding (`speculat
 Stage 1 (`NaiveRunner`) keeps only the token ids and runs the model over all of
 them at every step. Stage 2 (`KVCacheRunner`) keeps every layer's keys and values
 in a `KVCache`, so a decode step runs the model on one token. Stage 3 (`FlashRunner`)
-keeps that cache and computes attention with Triton kernels. The generation loop
-(`generate.py`) is the same for all.
+keeps that cache and computes attention with Triton kernels. Stage 4 (`PagedRunner`)
+keeps K/V in pages of a block pool and packs every sequence's new tokens into one flat
+sequence, as the serving engine (stage 5, `engine/runner.py`) does: the engine's runner
+is this one with a scheduler in front. What differs from stage to stage is the model's
+attention context (`model.py`): FullAttention, CachedAttention, PagedAttention.
+The generation loop (`generate.py`) is the same for all.
+
+kv_cache_dtype (stages 2-4): None (the model's dtype), "int8" or "int4": how the cache stores K and V
+(`kv/quantized.py`).
 """
 from __future__ import annotations
 
-import itertools
-
 import torch
 
-from .attention import naive_attention, sdpa_attention
-from .kv import KVCache
+from .attention import sdpa_attention
+from .attention.paged import PagedAttention, check_backend
+from .kv import BlockPool, CachedAttention, KVCache
+from .kv.manager import KVCacheManager, Sequence
+from .kv.quantized import check_kv_dtype
+from .model import FullAttention
 from .triton_support import require_triton
 
 
@@ -58,8 +67,11 @@ class NaiveRunner(_Runner):
 
     name = "naive"
 
-    def __init__(self, model, max_len: int | None = None, attn_fn=naive_attention):
-        self.model, self.attn_fn = model, attn_fn
+    def __init__(self, model, max_len: int | None = None, attn_fn=None, kv_cache_dtype: str | None = None):
+        if kv_cache_dtype:
+            raise ValueError(f"the naive stage keeps no KV cache; kv_cache_dtype={kv_cache_dtype!r} works with "
+                             "the kv, flash, paged and continuous stages")
+        self.model, self.attn_fn = model, attn_fn or model.attn_fn
         self.seqs: list[list[int]] = []
 
     @property
@@ -79,7 +91,7 @@ class NaiveRunner(_Runner):
 
     def _last_logits(self) -> torch.Tensor:
         ids, lengths = _right_pad(self.seqs, self.model.device)                 # (B, T)
-        logits = self.model(ids, attn_fn=self.attn_fn)                          # (B, T, vocab): all recomputed
+        logits = self.model(ids, attn=FullAttention(self.attn_fn))             # (B, T, vocab): all recomputed
         return logits[torch.arange(len(lengths)), torch.tensor(lengths) - 1]    # (B, vocab)
 
 
@@ -88,29 +100,30 @@ class KVCacheRunner(_Runner):
 
     name = "kv"
 
-    def __init__(self, model, max_len: int | None = None, attn_fn=sdpa_attention, kv_cache_dtype: str | None = "model"):
-        """kv_cache_dtype: None (the model's dtype), "int8" or "int4" (`kv/quantized.py`); by default the
-        model's `kv_cache_dtype` (set by `load_model`)."""
-        self.model, self.attn_fn = model, attn_fn
+    def __init__(self, model, max_len: int | None = None, attn_fn=sdpa_attention, kv_cache_dtype: str | None = None):
+        check_kv_dtype(kv_cache_dtype)
+        self.model, self.attn_fn, self.kv_dtype = model, attn_fn, kv_cache_dtype
         self.max_len = min(max_len or model.cfg.max_seq_len, model.cfg.max_seq_len)
-        self.kv_dtype = getattr(model, "kv_cache_dtype", None) if kv_cache_dtype == "model" else kv_cache_dtype
         self.cache: KVCache | None = None
+
+    def _forward(self, ids: torch.Tensor, n_layers: int | None = None) -> torch.Tensor:
+        """ids (B, T), written after what each sequence holds -> logits (B, T, vocab)."""
+        positions, mask = self.cache.begin(ids.shape[1])                         # (B, T), None: causal
+        return self.model(ids, positions, CachedAttention(self.cache, self.attn_fn, mask), n_layers=n_layers)
 
     @torch.inference_mode()
     def prefill_batch(self, seqs: list[list[int]]) -> torch.Tensor:
         m = self.model
         ids, lengths = _right_pad(seqs, m.device)                                # (B, T)
         self.cache = KVCache(m.cfg, len(seqs), max(self.max_len, ids.shape[1]), m.dtype, m.device, self.kv_dtype)
-        positions, mask = self.cache.begin(ids.shape[1])                         # (B, T), None: causal
-        logits = m(ids, positions, self.cache, mask, attn_fn=self.attn_fn)       # (B, T, vocab)
+        logits = self._forward(ids)                                              # (B, T, vocab)
         self.cache.commit(lengths)                                               # padding slots stay unused
         return logits[torch.arange(len(lengths)), torch.tensor(lengths) - 1]     # (B, vocab)
 
     @torch.inference_mode()
     def decode_batch(self, tokens: list[int]) -> torch.Tensor:
         ids = torch.tensor(tokens, device=self.model.device)[:, None]            # (B, 1)
-        positions, mask = self.cache.begin(1)                                    # (B, 1), (B, 1, 1, S) or None
-        logits = self.model(ids, positions, self.cache, mask, attn_fn=self.attn_fn)  # (B, 1, vocab)
+        logits = self._forward(ids)                                              # (B, 1, vocab)
         self.cache.commit()
         return logits[:, -1]                                                     # (B, vocab)
 
@@ -122,9 +135,7 @@ class KVCacheRunner(_Runner):
     def extend(self, tokens: list[int], n_layers: int | None = None) -> torch.Tensor:
         """Append tokens (one sequence); logits (T, vocab) after each. With n_layers, only the first
         n_layers layers run (and store K/V): a layer-skipping draft sharing this cache."""
-        ids = torch.tensor([tokens], device=self.model.device)                  # (1, T)
-        positions, mask = self.cache.begin(len(tokens))                         # (1, T)
-        logits = self.model(ids, positions, self.cache, mask, attn_fn=self.attn_fn, n_layers=n_layers)
+        logits = self._forward(torch.tensor([tokens], device=self.model.device), n_layers)   # (1, T, vocab)
         self.cache.commit()
         return logits[0]                                                         # (T, vocab)
 
@@ -143,13 +154,13 @@ class FlashRunner(KVCacheRunner):
 
     name = "flash"
 
-    def __init__(self, model, max_len: int | None = None):
+    def __init__(self, model, max_len: int | None = None, kv_cache_dtype: str | None = None):
         require_triton("stage flash")
         from .attention import triton_flash
 
         self.kernels = triton_flash
         self._seqlens: torch.Tensor | None = None   # keys per sequence during a decode step
-        super().__init__(model, max_len, attn_fn=self._attention)
+        super().__init__(model, max_len, attn_fn=self._attention, kv_cache_dtype=kv_cache_dtype)
 
     def _attention(self, q, k, v, mask=None):
         """q: (B, H, T, hd); k, v: (B, n_kv, S, hd) views of the cache -> (B, H, T, hd)."""
@@ -179,107 +190,89 @@ class FlashRunner(KVCacheRunner):
         return super().extend(tokens, n_layers)
 
 
-class _PagedCache:
-    """What the model sees as `cache`: writes each layer's new K/V into their slots of the pool."""
-
-    def __init__(self, runner: "PagedRunner"):
-        self.runner = runner
-
-    def update(self, layer: int, k: torch.Tensor, v: torch.Tensor):
-        r = self.runner
-        k_new = torch.cat([k[b, :, :n].transpose(0, 1) for b, n in enumerate(r.step_lengths)])  # (tokens, n_kv, hd)
-        v_new = torch.cat([v[b, :, :n].transpose(0, 1) for b, n in enumerate(r.step_lengths)])
-        r.kernels.write_kv_to_slots(k_new, v_new, r.pool.k[layer], r.pool.v[layer], r.slots)
-        return r.pool.k[layer], r.pool.v[layer]                      # (num_blocks, block_size, n_kv, hd)
-
-
 class PagedRunner(_Runner):
-    """Stage 4: K/V in a pool of fixed-size blocks, allocated as sequences grow (`kv/paged.py`);
-    attention reads them through block tables (Triton kernels, `attention/triton_paged.py`)."""
+    """Stage 4: K/V in a pool of fixed-size blocks, allocated as sequences grow (`kv/paged.py`, changed
+    only through the KV-cache manager, `kv/manager.py`). Each step packs every sequence's new tokens
+    into one flat sequence; attention writes and reads them through block tables (`attention/paged.py`:
+    the Triton kernels of `triton_paged.py` by default, or "torch", gathered pages + SDPA)."""
 
     name = "paged"
 
-    def __init__(self, model, max_len: int | None = None, block_size: int = 16, num_blocks: int | None = None):
-        if getattr(model, "kv_cache_dtype", None):
-            raise ValueError(f"the paged stage's Triton kernels store float K/V; kv_cache_dtype="
-                             f"{model.kv_cache_dtype!r} works with the kv, flash and continuous stages")
-        require_triton("stage paged")
-        from .attention import triton_paged
-        from .kv import BlockPool
-
-        self.model, self.kernels = model, triton_paged
+    def __init__(self, model, max_len: int | None = None, block_size: int = 16, num_blocks: int | None = None,
+                 kv_cache_dtype: str | None = None, attention: str = "triton"):
+        check_kv_dtype(kv_cache_dtype)
+        self.model, self.kv_dtype = model, kv_cache_dtype
+        self.attention = check_backend(attention, model.device.type == "cuda")
         self.max_len = min(max_len or model.cfg.max_seq_len, model.cfg.max_seq_len)
         self.block_size, self.num_blocks = block_size, num_blocks
-        self._pool_cls = BlockPool
-        self.pool = None
-        self.seqs: list[int] = []
-        self.step_lengths: list[int] = []   # new tokens per sequence in this step
-        self.slots: torch.Tensor | None = None
+        self.kv: KVCacheManager | None = None
+        self.seqs: list[Sequence] = []
+        self._workspace = (None, None)   # torch backend: gather buffers kept from step to step
 
-    def _attention(self, q, k_pool, v_pool, mask=None):
-        """q: (B, H, T, hd) -> (B, H, T, hd), keys and values read through the block tables."""
-        B, H, T, hd = q.shape
-        table = self.pool.block_table(self.seqs)
-        lengths = torch.tensor([self.pool.lengths[s] for s in self.seqs], dtype=torch.int32, device=q.device)
-        if T == 1:
-            return self.kernels.decode_attention(q[:, :, 0], k_pool, v_pool, lengths, block_table=table)[:, :, None]
-        new = self.step_lengths
-        qp = torch.cat([q[b, :, :n].transpose(0, 1) for b, n in enumerate(new)])             # (tokens, H, hd)
-        cu_q = torch.tensor([0] + list(itertools.accumulate(new)), dtype=torch.int32, device=q.device)
-        cu_k = torch.cat([lengths.new_zeros(1), lengths.cumsum(0).int()])
-        out_p = self.kernels.flash_attn_varlen(qp, k_pool, v_pool, cu_q, cu_k, max(new), int(lengths.max()),
-                                               causal=True, block_table=table)               # (tokens, H, hd)
-        out = q.new_zeros(B, H, T, hd)
-        for b, (start, n) in enumerate(zip(cu_q[:-1].tolist(), new)):
-            out[b, :, :n] = out_p[start:start + n].transpose(0, 1)
-        return out
+    @property
+    def pool(self) -> BlockPool:
+        return self.kv.pool
 
-    def _forward(self, ids: torch.Tensor, positions: torch.Tensor, n_layers: int | None = None) -> torch.Tensor:
-        return self.model(ids, positions, _PagedCache(self), None, attn_fn=self._attention, n_layers=n_layers)
+    def forward_tables(self, ids, positions, tables, q_lens, k_lens, logit_rows, n_layers=None) -> torch.Tensor:
+        """One pass over ids/positions (N,), packed by sequence: q_lens[i] tokens of sequence i, whose
+        pages are tables[i], end at key k_lens[i]. Logits (M, vocab) of the rows logit_rows (M,)."""
+        dev = self.model.device
+        attn = PagedAttention(self.pool, q_lens, k_lens, tables, self.attention, self._workspace)
+        if self.attention == "torch":
+            self._workspace = attn.workspace
+        logits = self.model(torch.tensor([ids], device=dev), torch.tensor(positions, device=dev), attn,
+                            logit_indices=torch.tensor(logit_rows, device=dev, dtype=torch.long), n_layers=n_layers)
+        return logits[0]                                                           # (M, vocab)
+
+    def _step(self, new: list[list[int]], n_layers: int | None = None, every_row: bool = False) -> torch.Tensor:
+        """Append new[i] to sequence i, all in one pass: logits of each one's last token (every_row: of
+        each new token)."""
+        ids, positions, q_lens, k_lens, rows = [], [], [], [], []
+        for seq, tokens in zip(self.seqs, new):
+            start = self.kv.num_slots(seq)
+            self.kv.append(seq, len(tokens))
+            ids += tokens
+            positions += range(start, start + len(tokens))
+            q_lens.append(len(tokens))
+            k_lens.append(start + len(tokens))
+            rows += range(len(ids) - len(tokens), len(ids)) if every_row else [len(ids) - 1]
+        tables = [self.kv.block_table(s) for s in self.seqs]
+        return self.forward_tables(ids, positions, tables, q_lens, k_lens, rows, n_layers)
 
     @torch.inference_mode()
     def prefill_batch(self, seqs: list[list[int]]) -> torch.Tensor:
         m = self.model
-        ids, lengths = _right_pad(seqs, m.device)                                  # (B, T)
-        per_seq = -(-max(self.max_len, ids.shape[1]) // self.block_size)
-        self.pool = self._pool_cls(m.cfg, self.num_blocks or len(seqs) * per_seq, self.block_size, m.dtype, m.device)
-        self.seqs = list(range(len(seqs)))
-        self.step_lengths = lengths
-        self.slots = torch.cat([self.pool.allocate(s, n) for s, n in zip(self.seqs, lengths)])
-        positions = torch.arange(ids.shape[1], device=m.device).expand(len(seqs), -1)  # (B, T)
-        logits = self._forward(ids, positions)                                      # (B, T, vocab)
-        return logits[torch.arange(len(lengths)), torch.tensor(lengths) - 1]
+        if min(len(s) for s in seqs) < 1:
+            raise ValueError("every prompt needs at least one token")
+        per_seq = -(-max(self.max_len, *map(len, seqs)) // self.block_size)
+        pool = BlockPool(m.cfg, self.num_blocks or len(seqs) * per_seq, self.block_size, m.dtype, m.device, self.kv_dtype)
+        self.kv = KVCacheManager(pool)
+        self.seqs = [Sequence(i) for i in range(len(seqs))]
+        for s in self.seqs:
+            self.kv.admit(s, [])
+        return self._step([list(s) for s in seqs])                                  # (B, vocab)
 
     @torch.inference_mode()
     def decode_batch(self, tokens: list[int]) -> torch.Tensor:
-        ids = torch.tensor(tokens, device=self.model.device)[:, None]              # (B, 1)
-        positions = torch.tensor([[self.pool.lengths[s]] for s in self.seqs], device=self.model.device)
-        self.step_lengths = [1] * len(self.seqs)
-        self.slots = torch.cat([self.pool.append_slots(s, 1) for s in self.seqs])
-        return self._forward(ids, positions)[:, -1]                                # (B, vocab)
+        return self._step([[t] for t in tokens])                                    # (B, vocab)
 
     @property
     def length(self) -> int:
-        return self.pool.lengths[self.seqs[0]]
+        return self.kv.num_slots(self.seqs[0])
 
     @torch.inference_mode()
     def extend(self, tokens: list[int], n_layers: int | None = None) -> torch.Tensor:
-        start, T = self.length, len(tokens)
-        ids = torch.tensor([tokens], device=self.model.device)                     # (1, T)
-        positions = torch.arange(start, start + T, device=self.model.device)[None]  # (1, T)
-        self.step_lengths = [T]
-        self.slots = self.pool.append_slots(self.seqs[0], T)
-        return self._forward(ids, positions, n_layers)[0]                          # (T, vocab)
+        return self._step([list(tokens)], n_layers, every_row=True)                 # (T, vocab)
 
     def truncate(self, length: int) -> None:
         """Keep the first `length` tokens; blocks past them go back to the pool."""
-        self.pool.truncate(self.seqs[0], length)
+        self.kv.truncate(self.seqs[0], length)
 
 
 STAGES = {"naive": NaiveRunner, "kv": KVCacheRunner, "flash": FlashRunner, "paged": PagedRunner}
 
 
-def make_runner(model, stage: str = "naive", max_len: int | None = None):
+def make_runner(model, stage: str = "naive", max_len: int | None = None, kv_cache_dtype: str | None = None):
     if stage not in STAGES:
         raise ValueError(f"unknown stage {stage!r}; choose one of: {', '.join(STAGES)}")
-    return STAGES[stage](model, max_len)
+    return STAGES[stage](model, max_len, kv_cache_dtype=kv_cache_dtype)

@@ -3,7 +3,7 @@ from __future__ import annotations
 
 import torch
 
-from ..quant.linear import Int8Linear, quantize_q4_1
+from ...quant.linear import Int8Linear, quantize_q4_1
 from .check import Case, run_checks
 
 

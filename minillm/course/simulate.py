@@ -19,7 +19,7 @@ import torch
 
 from ..config import ModelConfig
 from ..sampling import SamplingParams
-from .llm_engine import LLMEngine
+from ..engine.llm_engine import LLMEngine
 
 
 @dataclass(slots=True)
@@ -33,7 +33,7 @@ class SimStep:
 class _NullRunner:
     """Returns logits that pick token 1 for every request that samples; computes nothing."""
 
-    def __init__(self, model, pool, attention):
+    def __init__(self, model, kv, attention):
         self.vocab = model.cfg.vocab_size
 
     def execute(self, batch):

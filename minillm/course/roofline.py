@@ -14,26 +14,15 @@ from __future__ import annotations
 
 import torch
 
-from .config import ModelConfig
-from .kv import kv_cache_bytes
-from .metrics import median_time
+from ..config import ModelConfig
+from ..kv import kv_cache_bytes
+from ..model import weight_bytes  # noqa: F401  (re-exported for the notebooks)
+from .timing import median_time
 
 
-def weight_bytes(model) -> int:
-    """Bytes of the model's weights as it holds them: every parameter and saved buffer (quantized codes
-    and scales included), each tensor counted once. A copy that a CPU kernel keeps in its own layout
-    (`Q4Linear`'s repacked codes: the same weights again) is not saved, and not counted."""
-    seen, total = set(), 0
-    for t in model.state_dict(keep_vars=True).values():
-        if t.data_ptr() not in seen:
-            seen.add(t.data_ptr())
-            total += t.numel() * t.element_size()
-    return total
-
-
-def forward_bytes(model, batch: int, context: int) -> int:
-    """Bytes a decode step must read: the weights once plus every sequence's K/V cache."""
-    return weight_bytes(model) + batch * kv_cache_bytes(model.cfg, context, model.dtype, getattr(model, "kv_cache_dtype", None))
+def forward_bytes(model, batch: int, context: int, kv_dtype: str | None = None) -> int:
+    """Bytes a decode step must read: the weights once plus every sequence's K/V cache (stored as kv_dtype)."""
+    return weight_bytes(model) + batch * kv_cache_bytes(model.cfg, context, model.dtype, kv_dtype)
 
 
 def forward_flops(cfg: ModelConfig, n_params: int, tokens: int, context: int) -> int:

@@ -5,8 +5,8 @@ import dataclasses
 
 import torch
 
-from ..config import ModelConfig
-from ..kv import kv_cache_bytes
+from ...config import ModelConfig
+from ...kv import kv_cache_bytes
 from .check import Case, run_checks
 
 

@@ -3,7 +3,7 @@ from __future__ import annotations
 
 import random
 
-from ..kv import BlockPool
+from ...kv import BlockPool
 from .check import Case, run_checks
 
 

@@ -5,8 +5,8 @@ from types import SimpleNamespace
 
 import torch
 
-from ..distributed.disaggregated import transfer_bytes
-from ..distributed.tensor_parallel import qkv_rows
+from ...distributed.disaggregated import transfer_bytes
+from ...distributed.tensor_parallel import qkv_rows
 from .check import Case, run_checks
 
 

@@ -8,8 +8,8 @@ import time
 
 import torch
 
-from .generate import generate
-from .sampling import SamplingParams, filtered_probs
+from ..generate import generate
+from ..sampling import SamplingParams, filtered_probs
 
 
 def describe(params: SamplingParams) -> str:
@@ -45,7 +45,7 @@ class SamplingExplorer:
     def __init__(self, model, tokenizer, prompt_ids: list[int], max_tokens: int = 40, logits=None):
         import ipywidgets as w
 
-        from .runners import KVCacheRunner
+        from ..stages import KVCacheRunner
 
         self.model, self.tokenizer, self.prompt_ids, self.max_tokens = model, tokenizer, prompt_ids, max_tokens
         self.logits = logits if logits is not None else KVCacheRunner(model).prefill(prompt_ids)   # (vocab,)

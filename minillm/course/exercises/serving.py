@@ -6,7 +6,7 @@ import random
 
 import numpy as np
 
-from ..metrics import percentile
+from ..timing import percentile
 from .check import Case, run_checks
 
 

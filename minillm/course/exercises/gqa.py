@@ -3,7 +3,7 @@ from __future__ import annotations
 
 import torch
 
-from ..attention import naive_attention
+from ...attention import naive_attention
 from .check import Case, run_checks
 
 

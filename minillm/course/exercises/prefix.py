@@ -3,7 +3,7 @@ from __future__ import annotations
 
 import random
 
-from ..kv.prefix_cache import chain_hashes
+from ...kv.prefix_cache import chain_hashes
 from .check import Case, run_checks
 
 

@@ -13,7 +13,7 @@ A request with a prompt of P tokens that generates N holds P + n tokens at its n
 """
 from __future__ import annotations
 
-from .paged import BlockPool, OutOfBlocks
+from ..kv.paged import BlockPool, OutOfBlocks
 
 POLICIES = ("fixed", "max_tokens", "oracle")
 

@@ -3,7 +3,7 @@ from __future__ import annotations
 
 import random
 
-from ..engine.simulate import simulate
+from ..simulate import simulate
 from .check import Case, run_checks
 
 

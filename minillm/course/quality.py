@@ -15,8 +15,9 @@ from pathlib import Path
 
 import torch
 
-from ..kv import KVCache
-from .linear import cpu_has_vnni
+from ..attention import sdpa_attention
+from ..kv import CachedAttention, KVCache
+from ..quant.linear import cpu_has_vnni
 
 HELDOUT = Path(__file__).resolve().parents[2] / "data" / "heldout.txt"
 
@@ -39,11 +40,12 @@ def next_token_logprobs(model, ids: list[int], kv_cache_dtype: str | None = None
     """(T, vocab) float32 log-softmax of the model's prediction after each token of `ids`, one pass.
     kv_cache_dtype: attention reads K/V back from a cache stored that way (as every decode step would)."""
     x = torch.tensor([ids], device=model.device)
-    cache = None
+    attn = None
     if kv_cache_dtype:
         cache = KVCache(model.cfg, 1, len(ids), model.dtype, model.device, kv_cache_dtype)
-        cache.begin(len(ids))
-    logits = model(x, cache=cache)[0].float().cpu()                          # (T, vocab), our own copy
+        positions, mask = cache.begin(len(ids))
+        attn = CachedAttention(cache, sdpa_attention, mask)
+    logits = model(x, attn=attn)[0].float().cpu()                            # (T, vocab), our own copy
     return logits.sub_(logits.logsumexp(dim=-1, keepdim=True))               # log-softmax in place
 
 
@@ -64,38 +66,37 @@ def compare(ref: torch.Tensor, other: torch.Tensor, ids: list[int]) -> dict[str,
 KV_KL_BOUND = {"int8": 0.005, "int4": 0.12}
 
 
-def precision_name(model) -> str | None:
-    """The model's lossy precision as a name ("q4_file", "bfloat16", "int8 + kv int4"), None for float32."""
-    weights = getattr(model, "quant", None) or {torch.float16: "float16", torch.bfloat16: "bfloat16"}.get(model.dtype)
-    kv = getattr(model, "kv_cache_dtype", None)
+def precision_name(model, kv: str | None = None) -> str | None:
+    """The lossy precision of the model with a KV cache stored as `kv`, as a name ("q4_file", "bfloat16",
+    "int8 + kv int4"); None for float32."""
+    weights = model.quant or {torch.float16: "float16", torch.bfloat16: "bfloat16"}.get(model.dtype)
     parts = [weights] if weights else []
     if kv:
         parts.append(f"kv {kv}")
     return " + ".join(parts) or None
 
 
-def kl_bound(model) -> float | None:
-    """The mean KL from float32 the model's precision is allowed (weights and KV cache added); None when
-    nothing is lossy."""
-    weights = getattr(model, "quant", None) or {torch.float16: "float16", torch.bfloat16: "bfloat16"}.get(model.dtype)
-    kv = getattr(model, "kv_cache_dtype", None)
+def kl_bound(model, kv: str | None = None) -> float | None:
+    """The mean KL from float32 that the model's precision, with a KV cache stored as `kv`, is allowed
+    (weights and KV cache added); None when nothing is lossy."""
+    weights = model.quant or {torch.float16: "float16", torch.bfloat16: "bfloat16"}.get(model.dtype)
     if weights is None and kv is None:
         return None
     return KL_BOUND.get(weights, 0.0) + KV_KL_BOUND.get(kv, 0.0)
 
 
 @torch.inference_mode()
-def check_quality(model, reference, prompts: list[list[int]]) -> dict:
-    """Before a benchmark reports a speed: the mean KL of `model`'s next-token distributions from the
-    float32 `reference`'s, over every position of `prompts`, against the bound for its precision.
+def check_quality(model, reference, prompts: list[list[int]], kv: str | None = None) -> dict:
+    """Before a benchmark reports a speed: the mean KL of `model`'s next-token distributions (K/V read
+    back from a cache stored as `kv`) from the float32 `reference`'s, over every position of `prompts`,
+    against the bound for its precision.
     {"format", "kl", "bound", "within_bound", "tokens"}; a format past its bound computes something
     else on this machine, and its speed means nothing."""
-    kv = getattr(model, "kv_cache_dtype", None)
     kls = [compare(next_token_logprobs(reference, p), next_token_logprobs(model, p, kv), p)["kl"] * len(p)
            for p in prompts]
     tokens = sum(len(p) for p in prompts)
-    kl, bound = sum(kls) / tokens, kl_bound(model)
-    return {"format": precision_name(model), "kl": kl, "bound": bound, "tokens": tokens,
+    kl, bound = sum(kls) / tokens, kl_bound(model, kv)
+    return {"format": precision_name(model, kv), "kl": kl, "bound": bound, "tokens": tokens,
             "within_bound": bound is None or kl <= bound}
 
 

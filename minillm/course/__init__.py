@@ -1,0 +1,1 @@
+"""Course tooling: what the notebooks and benchmarks use to measure, explain and exercise the engine."""
