@@ -202,7 +202,7 @@ class PagedRunner(_Runner):
                  kv_cache_dtype: str | None = None, attention: str = "triton"):
         check_kv_dtype(kv_cache_dtype)
         self.model, self.kv_dtype = model, kv_cache_dtype
-        self.attention = check_backend(attention, model.device.type == "cuda")
+        self.attention = check_backend(attention, model.device.type == "cuda", "stage paged")
         self.max_len = min(max_len or model.cfg.max_seq_len, model.cfg.max_seq_len)
         self.block_size, self.num_blocks = block_size, num_blocks
         self.kv: KVCacheManager | None = None

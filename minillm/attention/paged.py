@@ -26,14 +26,15 @@ from .paged_torch import paged_attention, plan_paged_attention, workspace_for
 BACKENDS = ("torch", "triton")
 
 
-def check_backend(backend: str, on_gpu: bool) -> str:
-    """"auto" (triton on a GPU, torch elsewhere), "torch" or "triton" -> the backend; else ValueError."""
+def check_backend(backend: str, on_gpu: bool, what: str = "the triton attention backend") -> str:
+    """"auto" (triton on a GPU, torch elsewhere), "torch" or "triton" -> the backend; else ValueError.
+    Triton where it is not installed: TritonUnavailable, naming `what` needs it."""
     if backend == "auto":
         backend = "triton" if on_gpu else "torch"
     if backend not in BACKENDS:
         raise ValueError(f"attention must be 'auto' or one of {BACKENDS}; got {backend!r}")
     if backend == "triton":
-        require_triton("the triton attention backend")
+        require_triton(what)
     return backend
 
 

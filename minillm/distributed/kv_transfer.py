@@ -63,7 +63,7 @@ def recv_sequence(kv: KVCacheManager, seq, src: int, sender: str = "the sender")
     try:
         dist.recv(length, src)
     except RuntimeError as e:
-        raise TransferFailed(f"no K/V header for sequence {seq} from rank {src}: {str(e).splitlines()[0]}") from None
+        raise TransferFailed(f"no K/V header for sequence {seq.request_id} from rank {src}: {str(e).splitlines()[0]}") from None
     kv.reserve(seq, int(length))                        # OutOfBlocks: the caller waits or recomputes
     table = torch.tensor(kv.block_table(seq), dtype=torch.int64)
     got = 0
@@ -82,7 +82,7 @@ def recv_sequence(kv: KVCacheManager, seq, src: int, sender: str = "the sender")
         raise
     except RuntimeError as e:
         kv.free(seq)
-        raise TransferFailed(f"K/V of sequence {seq} from rank {src} broke off after {got} bytes: "
+        raise TransferFailed(f"K/V of sequence {seq.request_id} from rank {src} broke off after {got} bytes: "
                              f"{str(e).splitlines()[0]}") from None
     return {"bytes": got, "seconds": time.perf_counter() - t0, "length": int(length)}
 
