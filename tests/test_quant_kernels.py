@@ -139,6 +139,19 @@ def test_a_kernel_that_disagrees_with_its_weight_is_not_used():
         assert not kernel_agrees(broken, layer.dequantize(), "broken")
 
 
+def test_int8_kernel_is_never_called_on_rows_it_would_overrun():
+    """in_features not a multiple of 16: ATen's AVX-512 int8 kernel reads past each row (garbage, or a
+    segmentation fault that no probe can catch), so the layer multiplies by its dequantized weight."""
+    g = torch.Generator().manual_seed(4)
+    w = torch.randn(64, 200, generator=g) * 0.05
+    layer = Int8Linear.from_float(w)
+    assert not layer.cpu_kernel
+    x = torch.randn(3, 200, generator=g)
+    assert rel_err(layer(x), F.linear(x, layer.dequantize())) < 1e-2
+    assert Int8Linear.from_float(torch.randn(64, 192, generator=g)).cpu_kernel == Int8Linear.from_float(
+        torch.randn(64, 256, generator=g)).cpu_kernel                 # multiples of 16: probed as before
+
+
 def test_int8_rows_are_the_row_absmax_grid_exactly():
     """from_float avoids temporaries; the codes and scales must be what the plain formula gives."""
     g = torch.Generator().manual_seed(3)

@@ -98,6 +98,9 @@ def kernel_agrees(kernel, weight, name: str, warn: bool = True) -> bool:
     return False
 
 
+INT8_KERNEL_CHUNK = 16   # _weight_int8pack_mm needs in_features divisible by it
+
+
 class Int8Linear(nn.Module):
     """Weight-only int8: W ~= q * scale, q int8 (out, in), scale (out,) per output row."""
 
@@ -109,8 +112,10 @@ class Int8Linear(nn.Module):
         self.register_buffer("scale_bf16", scale.bfloat16())        # what the kernel reads
         self.in_features, self.out_features = q.shape[1], q.shape[0]
         self.many_rows = default_many_rows()
-        self.cpu_kernel = kernel and q.device.type == "cpu" and kernel_agrees(self._kernel, self._rows,
-                                                                             "_weight_int8pack_mm")
+        # ATen's AVX-512 int8 kernel reads each row in whole chunks of 16 values: with in_features not a
+        # multiple of 16 it reads past the row (wrong sums or a crash, torch 2.13), so it is not even probed
+        self.cpu_kernel = (kernel and q.device.type == "cpu" and self.in_features % INT8_KERNEL_CHUNK == 0
+                           and kernel_agrees(self._kernel, self._rows, "_weight_int8pack_mm"))
 
     @classmethod
     def from_float(cls, w: torch.Tensor, kernel: bool = True) -> "Int8Linear":
