@@ -104,6 +104,8 @@ def test_bench_prints_json_with_machine_and_rates(tmp_path):
     assert naive["stage"] == "naive" and naive["ratio_to_first"] == 1.0 and kv["stage"] == "kv"
     for res in (naive, kv):
         assert res["decode_tokens_per_s"] > 0 and res["prefill_tokens_per_s"] > 0 and res["ttft_s"] > 0
+        assert res["fraction_of_floor"] == pytest.approx(
+            res["decode_tokens_per_s"] / report["bandwidth_floor_tokens_per_s"])
 
 
 def test_bench_with_transformers_peer(tmp_path):

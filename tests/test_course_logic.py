@@ -146,3 +146,36 @@ def test_speculative_speedup_predicted_from_a_runs_counters():
     # one draft per pass, always rejected: 100 passes of width 2 (one step each), no gain
     wrong = {"tokens": 101, "spec_drafts": 100, "spec_draft_tokens": 100, "spec_accepted_tokens": 0, "system": "ngram"}
     assert predicted_run_speedup(wrong, costs, {}) == pytest.approx(1.0)
+
+
+def test_step_split_accounts_for_the_wall_time_in_four_parts(tokenizer):
+    """A tiny model's paged engine step: matrix products, attention (SDPA over gathered pages), the other
+    operators and Python add up to the step's wall time, and each of the first three is seen."""
+    from test_paged_torch import tiny_model
+
+    from minillm.course.step_profile import _category, bytes_per_token, step_split
+    from minillm.engine import LLMEngine
+    from minillm.sampling import SamplingParams
+
+    model = tiny_model()
+    engine = LLMEngine(model, tokenizer, block_size=4, num_blocks=64, attention="torch", verbose=False)
+    for i in range(3):
+        engine.add_request(str(i), list(range(1, 10 + i)), SamplingParams(max_tokens=200, ignore_eos=True))
+    engine.step()
+    split = step_split(engine.step, repeats=3, warmup=1)
+    parts = [split[k] for k in ("matmul_ms", "attention_ms", "other_ms", "python_ms")]
+    assert all(p > 0 for p in parts[:3]) and parts[3] >= 0, split
+    assert sum(parts) == pytest.approx(split["wall_ms"], rel=1e-6)
+    assert split["ops_per_step"] > 10 and split["top"]
+    assert bytes_per_token(model, 0) == sum(t.numel() * t.element_size() for t in model.state_dict().values())
+
+    class Event:                                              # the categories, by an operator and its callers
+        def __init__(self, name, parent=None):
+            self.name, self.cpu_parent = name, parent
+    sdpa = Event("aten::scaled_dot_product_attention")
+    assert _category(Event("aten::bmm", sdpa)) == "attention"
+    assert _category(Event("aten::mm", Event("aten::linear"))) == "matmul"
+    assert _category(Event("aten::_weight_int4pack_mm_for_cpu")) == "matmul"
+    assert _category(Event("aten::index_select", Event("aten::embedding"))) == "other"
+    assert _category(Event("aten::index_select")) == "attention"
+    assert _category(Event("aten::mul")) == "other"

@@ -28,10 +28,12 @@ def cmd_bench(args) -> None:
                        kv_cache_dtype=args.kv_cache_dtype)
     report["quality"] = quality
     if not args.json:
-        print(f"{'stage':<12} {'prefill tok/s':>12} {'ttft ms':>9} {'decode tok/s':>13} {'ratio':>6}", file=sys.stderr)
+        print(f"{'stage':<12} {'prefill tok/s':>12} {'ttft ms':>9} {'decode tok/s':>13} {'ratio':>6} {'of floor':>9}",
+              file=sys.stderr)
         for r in report["results"]:
+            floor = f"{r['fraction_of_floor']:.0%}" if "fraction_of_floor" in r else "-"
             print(f"{r['stage']:<12} {r['prefill_tokens_per_s']:>12.1f} {r['ttft_s'] * 1e3:>9.1f} "
-                  f"{r['decode_tokens_per_s']:>13.2f} {r['ratio_to_first']:>6.2f}", file=sys.stderr)
+                  f"{r['decode_tokens_per_s']:>13.2f} {r['ratio_to_first']:>6.2f} {floor:>9}", file=sys.stderr)
         print(f"bandwidth floor: {report['bandwidth_floor_tokens_per_s']:.1f} tok/s "
               f"({report['weight_bytes'] / 1e6:.0f} MB of weights at {report['copy_bytes_per_s'] / 1e9:.1f} GB/s copy)",
               file=sys.stderr)

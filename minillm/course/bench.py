@@ -201,6 +201,9 @@ def run_bench(model, tokenizer, stages: list[str], prompts: list[dict], max_toke
                 a.token_ids == b.token_ids for a, b in zip(runs[name], runs["transformers"]))
     copy_bw = measure_copy_bandwidth()
     wbytes = weight_bytes(model)
+    for r in results:                   # of the tokens/s that reading every weight once per token allows
+        if r["stage"] != "transformers":
+            r["fraction_of_floor"] = r["decode_tokens_per_s"] * wbytes / copy_bw
     info = machine_info()
     return {"machine": info["cpu"], "gpu": info["gpu"], "torch": info["torch"], "threads": info["threads"],
             "cores": info["cores"], "max_tokens": max_tokens, "repeats": repeats,

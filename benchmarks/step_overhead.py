@@ -1,0 +1,127 @@
+"""Where a decode step's time goes, for each weight format and for the engine at 64 requests.
+
+First each lossy format's mean KL from float32 on the run's prompt and the held-out text's first 256 tokens
+(`minillm/course/quality.py`): a format past its bound gets no speed, only the reason. Then, for each format
+within its bound:
+- single-stream decode tokens/s (the kv stage, 64 greedy tokens after a short prompt), the formats taking
+  turns round by round;
+- the bytes a decode step must read (every weight once and the prompt's K/V), the tokens/s the machine's
+  measured copy bandwidth allows at that (the floor), and the fraction of it achieved;
+- one decode step split four ways (`minillm/course/step_profile.py`): matrix products, attention, the rest of
+  the operators (norms, RoPE, SiLU, dtype conversions, K/V writes), and Python between them; the number of
+  operators Python calls per step.
+Then the engine (float32 weights, the torch attention backend): 64 requests with ~200-token prompts, once all
+are decoding, one decode-only step split the same four ways, its FLOPs against the measured matmul rate.
+
+    python benchmarks/step_overhead.py [--rounds 3] > benchmarks/results/cpu_step_overhead.json
+"""
+from __future__ import annotations
+
+import argparse
+import json
+import statistics
+import sys
+
+from tqdm import tqdm
+
+import minillm
+from minillm.course.bench import machine_info
+from minillm.course.quality import check_quality, heldout_ids, refusal
+from minillm.course.roofline import forward_flops, measure_copy_bandwidth, measure_matmul_flops
+from minillm.course.step_profile import bytes_per_token, step_split
+from minillm.engine import LLMEngine
+from minillm.generate import generate
+from minillm.model import weight_bytes
+from minillm.quant.linear import cpu_has_vnni
+from minillm.sampling import SamplingParams
+from minillm.stages import KVCacheRunner
+
+PROMPT = "The history of the printing press begins in"
+FORMATS = [("float32", None), ("bfloat16", None), ("float32", "int8"), ("float32", "w8a8"), ("float32", "q4_file")]
+
+
+def load(dtype: str, quant: str | None):
+    return minillm.load_model(dtype=dtype, quant=quant)
+
+
+def name_of(dtype: str, quant: str | None) -> str:
+    return quant or dtype
+
+
+def decode_split(model, ids: list[int], repeats: int) -> dict:
+    """One single-stream decode step at the prompt's context (each step's token is forgotten again)."""
+    runner = KVCacheRunner(model, max_len=len(ids) + 8)
+    runner.prefill(ids)
+    length = runner.length
+
+    def step():
+        runner.decode(11)
+        runner.truncate(length)
+    return step_split(step, repeats=repeats)
+
+
+def engine_split(model, tok, n: int = 64, prompt_tokens: int = 200, repeats: int = 10) -> dict:
+    """A decode-only step of the engine with n requests, each ~prompt_tokens into its context."""
+    text = heldout_ids(tok)
+    engine = LLMEngine(model, tok, max_num_seqs=n, max_num_batched_tokens=512, attention="torch", verbose=False)
+    for i in range(n):
+        start = (i * 37) % (len(text) - prompt_tokens)
+        engine.add_request(str(i), text[start:start + prompt_tokens], SamplingParams(max_tokens=512, ignore_eos=True))
+    while engine.last_batch is None or engine.last_batch.total_tokens != n:   # until every prompt is in
+        engine.step()
+    context = statistics.mean(r.num_computed_tokens for r in engine.scheduler.running)
+    split = step_split(engine.step, repeats=repeats, warmup=2)
+    flops = forward_flops(model.cfg, model.num_parameters(), n, int(context))
+    return split | {"requests": n, "mean_context": context, "step_flops": flops,
+                    "decode_tokens_per_s": n / (split["wall_ms"] / 1e3)}
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    ap.add_argument("--rounds", type=int, default=3)
+    ap.add_argument("--repeats", type=int, default=20, help="profiled decode steps per format")
+    args = ap.parse_args()
+
+    tok = minillm.load_tokenizer()
+    ids = tok.encode(PROMPT)
+    held = heldout_ids(tok, max_tokens=256)
+    formats = [f for f in FORMATS if f[1] != "w8a8" or cpu_has_vnni()]   # 8-bit activations: VNNI only
+    base = load("float32", None)
+    models, gate = {}, {}
+    for dtype, quant in tqdm(formats, desc="load and check", file=sys.stderr):
+        name = name_of(dtype, quant)
+        m = base if name == "float32" else load(dtype, quant)
+        q = None if name == "float32" else check_quality(m, base, [ids, held])
+        gate[name] = q
+        if q is None or q["within_bound"]:
+            models[name] = m
+        else:
+            print(refusal(q), file=sys.stderr)
+    copy_bw, matmul_rate = measure_copy_bandwidth(), measure_matmul_flops()
+    speeds = {name: [] for name in models}
+    params = SamplingParams(max_tokens=64, ignore_eos=True)
+    for name, m in models.items():                                   # warm-up: first calls allocate
+        generate(m, tok, ids, SamplingParams(max_tokens=4), stage="kv")
+    for _ in tqdm(range(args.rounds), desc="rounds", file=sys.stderr):
+        for name, m in models.items():
+            speeds[name].append(generate(m, tok, ids, params, stage="kv").decode_tokens_per_s)
+    results = []
+    for name, m in tqdm(models.items(), desc="profile", file=sys.stderr):
+        tps = statistics.median(speeds[name])
+        nbytes = bytes_per_token(m, len(ids) + 32)
+        floor = copy_bw / nbytes
+        split = decode_split(m, ids, args.repeats)
+        results.append({"format": name, "decode_tokens_per_s": tps, "runs": speeds[name],
+                        "weight_bytes": weight_bytes(m), "bytes_per_token": nbytes,
+                        "floor_tokens_per_s": floor, "fraction_of_floor": tps / floor,
+                        "kl": gate[name]["kl"] if gate[name] else 0.0, "step": split})
+    engine = engine_split(base, tok)
+    engine["fraction_of_matmul_rate"] = engine["step_flops"] / (engine["wall_ms"] / 1e3) / matmul_rate
+    print(json.dumps({"machine": machine_info(), "copy_bytes_per_s": copy_bw, "matmul_flops_per_s": matmul_rate,
+                      "prompt_tokens": len(ids), "rounds": args.rounds,
+                      "refused": {k: refusal(q) for k, q in gate.items() if q and not q["within_bound"]},
+                      "formats": results, "engine": engine}, indent=1))
+
+
+if __name__ == "__main__":
+    main()
