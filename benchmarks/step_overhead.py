@@ -12,15 +12,19 @@ within its bound:
   operators Python calls per step.
 Then the engine (float32 weights, the torch attention backend): 64 requests with ~200-token prompts, once all
 are decoding, one decode-only step split the same four ways, its FLOPs against the measured matmul rate.
+With `--peer-python PY` (a Python with llama-cpp-python), llama.cpp's single-stream decode on the same GGUF
+file takes its turn in every round (the script of `quantization.py`).
 
-    python benchmarks/step_overhead.py [--rounds 3] > benchmarks/results/cpu_step_overhead.json
+    python benchmarks/step_overhead.py [--rounds 3] [--peer-python PY] > benchmarks/results/cpu_step_overhead.json
 """
 from __future__ import annotations
 
 import argparse
 import json
 import statistics
+import subprocess
 import sys
+from pathlib import Path
 
 from tqdm import tqdm
 
@@ -80,7 +84,10 @@ def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     ap.add_argument("--rounds", type=int, default=3)
     ap.add_argument("--repeats", type=int, default=20, help="profiled decode steps per format")
+    ap.add_argument("--peer-python", default=None, help="a Python with llama-cpp-python (adds llama.cpp)")
     args = ap.parse_args()
+    sys.path.insert(0, str(Path(__file__).parent))
+    from quantization import LLAMA_SCRIPT
 
     tok = minillm.load_tokenizer()
     ids = tok.encode(PROMPT)
@@ -100,11 +107,22 @@ def main() -> None:
     copy_bw, matmul_rate = measure_copy_bandwidth(), measure_matmul_flops()
     speeds = {name: [] for name in models}
     params = SamplingParams(max_tokens=64, ignore_eos=True)
-    for name, m in models.items():                                   # warm-up: first calls allocate
-        generate(m, tok, ids, SamplingParams(max_tokens=4), stage="kv")
-    for _ in tqdm(range(args.rounds), desc="rounds", file=sys.stderr):
+    peer = None
+    if args.peer_python:
+        peer = subprocess.Popen([args.peer_python, "-c", LLAMA_SCRIPT, str(minillm.find_model()), PROMPT,
+                                 str(args.rounds + 1)], stdin=subprocess.PIPE, stdout=subprocess.PIPE, text=True)
+        speeds["llama.cpp"] = []
+    for rnd in tqdm(range(args.rounds + 1), desc="rounds", file=sys.stderr):   # round 0 warms up
         for name, m in models.items():
-            speeds[name].append(generate(m, tok, ids, params, stage="kv").decode_tokens_per_s)
+            tps = generate(m, tok, ids, params if rnd else SamplingParams(max_tokens=4), stage="kv").decode_tokens_per_s
+            if rnd:
+                speeds[name].append(tps)
+        if peer:
+            peer.stdin.write("go\n")
+            peer.stdin.flush()
+            tps = json.loads(peer.stdout.readline())["decode_tokens_per_s"]
+            if rnd:
+                speeds["llama.cpp"].append(tps)
     results = []
     for name, m in tqdm(models.items(), desc="profile", file=sys.stderr):
         tps = statistics.median(speeds[name])
@@ -115,12 +133,13 @@ def main() -> None:
                         "weight_bytes": weight_bytes(m), "bytes_per_token": nbytes,
                         "floor_tokens_per_s": floor, "fraction_of_floor": tps / floor,
                         "kl": gate[name]["kl"] if gate[name] else 0.0, "step": split})
+    llama = {"decode_tokens_per_s": statistics.median(speeds["llama.cpp"]), "runs": speeds["llama.cpp"]} if peer else None
     engine = engine_split(base, tok)
     engine["fraction_of_matmul_rate"] = engine["step_flops"] / (engine["wall_ms"] / 1e3) / matmul_rate
     print(json.dumps({"machine": machine_info(), "copy_bytes_per_s": copy_bw, "matmul_flops_per_s": matmul_rate,
                       "prompt_tokens": len(ids), "rounds": args.rounds,
                       "refused": {k: refusal(q) for k, q in gate.items() if q and not q["within_bound"]},
-                      "formats": results, "engine": engine}, indent=1))
+                      "formats": results, "llama.cpp": llama, "engine": engine}, indent=1))
 
 
 if __name__ == "__main__":
