@@ -63,13 +63,15 @@ def test_cached_decode_step_logits_equal_full_recompute(model, tokenizer):
         torch.testing.assert_close(b, a, rtol=1e-4, atol=1e-4)
 
 
-@pytest.mark.parametrize("prompt", LONG_PROMPTS)
-def test_greedy_tokens_equal_naive_for_128_steps(model, tokenizer, prompt):
+@pytest.mark.parametrize("prompt, steps", zip(LONG_PROMPTS, (128, 48, 48)))
+def test_greedy_tokens_equal_naive_over_long_runs(model, tokenizer, prompt, steps):
+    """One run long enough for rounding to build up (128 steps); the naive stage's cost grows with the
+    square of the length, so the other prompts run 48."""
     ids = tokenizer.apply_chat_template(prompt) if isinstance(prompt, list) else tokenizer.encode(prompt)
-    params = SamplingParams(max_tokens=128, ignore_eos=True)
+    params = SamplingParams(max_tokens=steps, ignore_eos=True)
     naive = generate(model, tokenizer, ids, params, stage="naive")
     kv = generate(model, tokenizer, ids, params, stage="kv")
-    assert len(kv.token_ids) == 128
+    assert len(kv.token_ids) == steps
     assert kv.token_ids == naive.token_ids
 
 
