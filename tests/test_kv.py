@@ -63,7 +63,7 @@ def test_cached_decode_step_logits_equal_full_recompute(model, tokenizer):
         torch.testing.assert_close(b, a, rtol=1e-4, atol=1e-4)
 
 
-@pytest.mark.parametrize("prompt, steps", zip(LONG_PROMPTS, (128, 48, 48)))
+@pytest.mark.parametrize("prompt, steps", list(zip(LONG_PROMPTS, (128, 48, 48))))
 def test_greedy_tokens_equal_naive_over_long_runs(model, tokenizer, prompt, steps):
     """One run long enough for rounding to build up (128 steps); the naive stage's cost grows with the
     square of the length, so the other prompts run 48."""
