@@ -66,14 +66,17 @@ class Attention(nn.Module):
         self.wqkv = nn.Linear(cfg.d_model, (cfg.n_heads + 2 * cfg.n_kv_heads) * cfg.head_dim, bias=False)
         self.wo = nn.Linear(cfg.n_heads * cfg.head_dim, cfg.d_model, bias=False)
 
-    def forward(self, x, cos, sin, attn, layer: int = 0):
+    def qkv(self, x, cos, sin):
+        """x (B, T, d) -> q (B, H, T, hd), k and v (B, n_kv, T, hd): one product, RoPE on q and k."""
         B, T, _ = x.shape
         H, n_kv, hd = self.n_heads, self.n_kv, self.hd
         qkv = self.wqkv(x).view(B, T, H + 2 * n_kv, hd).transpose(1, 2)   # (B, H + 2 n_kv, T, hd)
         qk = apply_rope(qkv[:, :H + n_kv], cos, sin)                        # rotate q and k together
-        q, k, v = qk[:, :H], qk[:, H:], qkv[:, H + n_kv:]                   # (B, H | n_kv | n_kv, T, hd)
-        out = attn.attend(layer, q, k, v)                                   # (B, H, T, hd)
-        return self.wo(out.transpose(1, 2).reshape(B, T, H * hd))
+        return qk[:, :H], qk[:, H:], qkv[:, H + n_kv:]                      # (B, H | n_kv | n_kv, T, hd)
+
+    def output(self, out):
+        """out (B, H, T, hd), the heads' attention -> (B, T, d)."""
+        return self.wo(out.transpose(1, 2).flatten(2))                     # (B, T, H hd) -> (B, T, d)
 
 
 class MLP(nn.Module):
@@ -90,6 +93,9 @@ class MLP(nn.Module):
 
 
 class Block(nn.Module):
+    """x + Attn(RMSNorm(x)), then + SwiGLU(RMSNorm(x)). Everything but `attn.attend` sits in two methods,
+    the same for every layer and every attention context: `minillm/compile.py` compiles just those."""
+
     def __init__(self, cfg: ModelConfig):
         super().__init__()
         self.attn_norm = RMSNorm(cfg.d_model, cfg.rms_eps)
@@ -98,7 +104,14 @@ class Block(nn.Module):
         self.mlp = MLP(cfg)
 
     def forward(self, x, cos, sin, attn, layer=0):
-        x = x + self.attn(self.attn_norm(x), cos, sin, attn, layer)
+        q, k, v = self.before_attention(x, cos, sin)
+        return self.after_attention(x, attn.attend(layer, q, k, v))
+
+    def before_attention(self, x, cos, sin):
+        return self.attn.qkv(self.attn_norm(x), cos, sin)
+
+    def after_attention(self, x, out):
+        x = x + self.attn.output(out)
         return x + self.mlp(self.ffn_norm(x))
 
 

@@ -65,6 +65,7 @@ def test_generate_speculative_json_reports_acceptance(stage):
     (["generate", "hi", "--tensor-parallel", "2"], "use one of [1, 3]"),
     (["generate", "hi", "--tensor-parallel", "3", "--quant", "int8"], "drop --quant"),
     (["generate", "hi", "--tensor-parallel", "3", "--stage", "paged"], "drop --stage paged"),
+    (["generate", "hi", "--tensor-parallel", "3", "--compile"], "drop --compile"),
     (["serve", "--port", "70000"], "--port must be in [0, 65535]"),
     (["serve", "--max-queued-requests", "0"], "--max-queued-requests"),
     (["serve", "--speculative", "magic"], "unknown speculative proposer"),

@@ -34,6 +34,10 @@ def load(args):
         model = load_model(args.model, device=device, dtype=args.dtype, quant=args.quant)
     except ValueError as e:   # e.g. q4_file with a model that is not a Q4_1 GGUF file
         fail(str(e))
+    if args.compile:
+        from ..compile import compile_blocks
+
+        compile_blocks(model)
     return model, tok, device
 
 

@@ -18,6 +18,13 @@ def _add_model_args(p, stage: bool = True):
     p.add_argument("--threads", type=int, default=None, help="torch CPU threads (default: torch's choice)")
     p.add_argument("--device", default=None, help="cpu or cuda (default: cuda when there is one)")
     _add_precision_args(p)
+    _add_compile_arg(p)
+
+
+def _add_compile_arg(p):
+    p.add_argument("--compile", action="store_true",
+                   help="compile each block's operators around attention with torch.compile (one compile "
+                        "serves every layer; the first steps pay seconds for it, cached on disk); default: eager")
 
 
 def _add_precision_args(p):
@@ -133,4 +140,5 @@ def build_parser() -> argparse.ArgumentParser:
     b.add_argument("--threads", type=int, default=None)
     b.add_argument("--device", default=None)
     _add_precision_args(b)
+    _add_compile_arg(b)
     return parser

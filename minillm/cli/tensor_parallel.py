@@ -15,7 +15,7 @@ def generate_tensor_parallel(args, params) -> None:
     from ..generate import check_prompt
 
     others = {"--quant": args.quant, "--speculative": args.speculative, "--kv-cache-dtype": args.kv_cache_dtype,
-              "--device": args.device}
+              "--device": args.device, "--compile": args.compile or None}
     given = [flag for flag, value in others.items() if value is not None]
     if given or args.dtype != "float32":
         fail(f"--tensor-parallel runs the kv stage in float32 on this machine's CPU; drop {', '.join(given) or '--dtype'}")
