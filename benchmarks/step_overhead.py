@@ -11,7 +11,9 @@ within its bound:
   the operators (norms, RoPE, SiLU, dtype conversions, K/V writes), and Python between them; the number of
   operators Python calls per step.
 Then the engine (float32 weights, the torch attention backend): 64 requests with ~200-token prompts, once all
-are decoding, one decode-only step split the same four ways, its FLOPs against the measured matmul rate.
+are decoding, one decode-only step split the same four ways, its FLOPs against the measured matmul rate, and
+the engine's own share of it: the step's time outside the model's forward pass (scheduling, packing the
+batch, sampling, outputs).
 With `--peer-python PY` (a Python with llama-cpp-python), llama.cpp's single-stream decode on the same GGUF
 file takes its turn in every round (the script of `quantization.py`).
 
@@ -24,6 +26,7 @@ import json
 import statistics
 import subprocess
 import sys
+import time
 from pathlib import Path
 
 from tqdm import tqdm
@@ -75,8 +78,26 @@ def engine_split(model, tok, n: int = 64, prompt_tokens: int = 200, repeats: int
         engine.step()
     context = statistics.mean(r.num_computed_tokens for r in engine.scheduler.running)
     split = step_split(engine.step, repeats=repeats, warmup=2)
+    forward, walls = [], []
+    model_forward = model.forward
+
+    def timed_forward(*args, **kwargs):                     # the model's share of a step, timed from outside
+        t0 = time.perf_counter()
+        out = model_forward(*args, **kwargs)
+        forward.append(time.perf_counter() - t0)
+        return out
+    model.forward = timed_forward
+    try:
+        for _ in range(repeats):
+            t0 = time.perf_counter()
+            engine.step()
+            walls.append(time.perf_counter() - t0)
+    finally:
+        del model.forward
+    overhead = statistics.median(w - f for w, f in zip(walls, forward)) * 1e3
     flops = forward_flops(model.cfg, model.num_parameters(), n, int(context))
-    return split | {"requests": n, "mean_context": context, "step_flops": flops,
+    return split | {"requests": n, "mean_context": context, "step_flops": flops, "engine_overhead_ms": overhead,
+                    "engine_overhead_fraction": overhead / (statistics.median(walls) * 1e3),
                     "decode_tokens_per_s": n / (split["wall_ms"] / 1e3)}
 
 
