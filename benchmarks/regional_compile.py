@@ -22,16 +22,18 @@ import subprocess
 import sys
 import tempfile
 import time
+from pathlib import Path
 
 from tqdm import tqdm
 
 import minillm
 from minillm.compile import compile_blocks, eager_blocks
 from minillm.course.bench import machine_info
-from minillm.course.quality import heldout_ids
-from minillm.engine import LLMEngine
 from minillm.generate import generate
 from minillm.sampling import SamplingParams
+
+sys.path.insert(0, str(Path(__file__).parent))
+from step_overhead import decoding_engine  # noqa: E402
 
 PROMPT = "The history of the printing press begins in"
 FORMATS = [("float32", None), ("bfloat16", None), ("float32", "q4_file")]
@@ -79,13 +81,7 @@ def single_stream(dtype: str, quant: str | None, tok, ids: list[int], rounds: in
 
 def engine_steps(tok, n: int = 64, prompt_tokens: int = 200, rounds: int = 5, steps: int = 4) -> dict:
     model = minillm.load_model()
-    text = heldout_ids(tok)
-    engine = LLMEngine(model, tok, max_num_seqs=n, max_num_batched_tokens=512, attention="torch", verbose=False)
-    for i in range(n):
-        start = (i * 37) % (len(text) - prompt_tokens)
-        engine.add_request(str(i), text[start:start + prompt_tokens], SamplingParams(max_tokens=512, ignore_eos=True))
-    while engine.last_batch is None or engine.last_batch.total_tokens != n:   # until every prompt is in
-        engine.step()
+    engine = decoding_engine(model, tok, n, prompt_tokens)                   # step_overhead.py's busy engine
     compile_blocks(model)
     t0 = time.perf_counter()
     engine.step()

@@ -67,8 +67,9 @@ def decode_split(model, ids: list[int], repeats: int) -> dict:
     return step_split(step, repeats=repeats)
 
 
-def engine_split(model, tok, n: int = 64, prompt_tokens: int = 200, repeats: int = 10) -> dict:
-    """A decode-only step of the engine with n requests, each ~prompt_tokens into its context."""
+def decoding_engine(model, tok, n: int = 64, prompt_tokens: int = 200) -> LLMEngine:
+    """An engine (torch attention) with n requests of prompt_tokens from the held-out text, every prompt in:
+    its next steps are decode-only, n tokens each."""
     text = heldout_ids(tok)
     engine = LLMEngine(model, tok, max_num_seqs=n, max_num_batched_tokens=512, attention="torch", verbose=False)
     for i in range(n):
@@ -76,6 +77,12 @@ def engine_split(model, tok, n: int = 64, prompt_tokens: int = 200, repeats: int
         engine.add_request(str(i), text[start:start + prompt_tokens], SamplingParams(max_tokens=512, ignore_eos=True))
     while engine.last_batch is None or engine.last_batch.total_tokens != n:   # until every prompt is in
         engine.step()
+    return engine
+
+
+def engine_split(model, tok, n: int = 64, prompt_tokens: int = 200, repeats: int = 10) -> dict:
+    """A decode-only step of the engine with n requests, each ~prompt_tokens into its context."""
+    engine = decoding_engine(model, tok, n, prompt_tokens)
     context = statistics.mean(r.num_computed_tokens for r in engine.scheduler.running)
     split = step_split(engine.step, repeats=repeats, warmup=2)
     forward, walls = [], []
