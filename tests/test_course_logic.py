@@ -179,3 +179,30 @@ def test_step_split_accounts_for_the_wall_time_in_four_parts(tokenizer):
     assert _category(Event("aten::index_select", Event("aten::embedding"))) == "other"
     assert _category(Event("aten::index_select")) == "attention"
     assert _category(Event("aten::mul")) == "other"
+
+
+def test_textbook_operators_give_the_same_logits_with_more_calls():
+    """notebook 14's before / after: the step's textbook operators (RoPE by concatenation, q/k/v by slicing,
+    whole-cache indexing) compute the same logits bit for bit, call more operators, and are put back after."""
+    from test_paged_torch import tiny_model
+
+    from minillm import model as model_module
+    from minillm.course.step_variants import VARIANTS, op_counts, textbook
+    from minillm.stages import KVCacheRunner
+
+    model = tiny_model()
+    runner = KVCacheRunner(model, max_len=32)
+
+    def run():                                                # a prompt, then two decode steps
+        return torch.stack([runner.prefill([5, 9, 2, 7]), runner.decode(11), runner.decode(3)])
+    after, after_ops = run(), sum(op_counts(lambda: runner.decode(4)).values())
+    saved = (model_module.apply_rope, model_module.rope_tables, model_module.Attention.qkv)
+    for parts in [(v,) for v in VARIANTS] + [VARIANTS]:
+        with textbook(*parts):
+            assert torch.equal(run(), after), parts
+            before_ops = sum(op_counts(lambda: runner.decode(4)).values())
+        assert before_ops > after_ops, parts
+    assert (model_module.apply_rope, model_module.rope_tables, model_module.Attention.qkv) == saved
+    with pytest.raises(ValueError, match="unknown variants"):
+        with textbook("fusion"):
+            pass

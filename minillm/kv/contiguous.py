@@ -41,6 +41,7 @@ class KVCache:
                  dtype: torch.dtype = torch.float32, device: str | torch.device = "cpu", kv_dtype: str | None = None):
         shape = (cfg.n_layers, batch, cfg.n_kv_heads, max_len, cfg.head_dim)
         self.k, self.v = kv_tensors(shape, dtype, device, kv_dtype)
+        self._layers = [(self.k[i], self.v[i]) for i in range(cfg.n_layers)]   # views, each (B, n_kv, max_len, hd)
         self.max_len = max_len
         self.lengths = [0] * batch   # tokens stored per sequence
         self._starts: list[int] = []  # where this step writes, per sequence
@@ -57,7 +58,7 @@ class KVCache:
         when every sequence holds the same number of tokens (then plain causal masking is right)."""
         self._starts, self._T = list(self.lengths), T
         self._uniform = len(set(self._starts)) == 1
-        end = max(self._starts) + T
+        self._end = end = max(self._starts) + T
         if end > self.max_len:
             raise ValueError(f"KV cache full: {end} tokens needed, {self.max_len} allocated")
         starts = torch.tensor(self._starts, device=self.k.device)
@@ -66,17 +67,17 @@ class KVCache:
 
     def update(self, layer: int, k: torch.Tensor, v: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         """Store k, v (B, n_kv, T, hd) for `layer`; return all cached K, V (B, n_kv, S, hd)."""
-        T = self._T
+        T, (k_all, v_all) = self._T, self._layers[layer]
         if self._uniform:  # everyone writes the same slots: one copy
             s = self._starts[0]
-            self.k[layer, :, :, s:s + T] = k
-            self.v[layer, :, :, s:s + T] = v
+            k_all[:, :, s:s + T] = k
+            v_all[:, :, s:s + T] = v
         else:
             for b, s in enumerate(self._starts):
-                self.k[layer, b, :, s:s + T] = k[b]
-                self.v[layer, b, :, s:s + T] = v[b]
-        end = max(self._starts) + T
-        k, v = self.k[layer, :, :, :end], self.v[layer, :, :, :end]
+                k_all[b, :, s:s + T] = k[b]
+                v_all[b, :, s:s + T] = v[b]
+        end = self._end
+        k, v = k_all[:, :, :end], v_all[:, :, :end]
         if isinstance(k, QuantizedKV):   # attention reads them back in the model's dtype
             return k.dequantize(), v.dequantize()
         return k, v
