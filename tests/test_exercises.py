@@ -187,11 +187,28 @@ def _engine_answers():
     def transfer(n, bs, layers, n_kv, hd, nbytes):
         return 2 * layers * ((n - 1) // bs * bs) * n_kv * hd * nbytes
 
+    def rope_roll(x, cos, sin):
+        return (x * cos + x.roll(x.shape[-1] // 2, dims=-1) * sin).to(x.dtype)
+
+    def step_split(events, wall):
+        parts = {"matmul": 0.0, "attention": 0.0, "other": 0.0}
+        for name, parents, ms in events:
+            chain = (name, *parents)
+            if any("scaled_dot_product" in n for n in chain) or (name == "aten::index_select"
+                                                                  and "aten::embedding" not in chain):
+                parts["attention"] += ms
+            elif any(n.endswith(("mm", "linear", "mm_for_cpu")) for n in chain):
+                parts["matmul"] += ms
+            else:
+                parts["other"] += ms
+        return parts | {"python": wall - sum(parts.values())}
+
     return {"check_qkv_shard": qkv_shard, "check_transfer_bytes": transfer, "check_decode_steps": decode_steps, "check_pack": pack, "check_chunk_sizes": chunk_sizes,
             "check_chunk_mask": lambda start, n: torch.ones(n, start + n, dtype=torch.bool).tril(diagonal=start),
             "check_chain": chain, "check_cached_tokens": cached_tokens, "check_verify_greedy": verify,
             "check_residual": residual, "check_parse_sse": parse_sse, "check_percentile": pct,
-            "check_int8_rows": int8_rows, "check_dequantize_q4_1": q4_1}
+            "check_int8_rows": int8_rows, "check_dequantize_q4_1": q4_1,
+            "check_rope_roll": rope_roll, "check_step_split": step_split}
 
 
 def test_every_exercise_passes_its_answer_and_fails_a_stub(capsys):
@@ -240,3 +257,21 @@ def test_distributed_exercises_say_what_is_wrong(capsys):
 
     assert not check_transfer_bytes(lambda n, bs, layers, n_kv, hd, nbytes: 2 * layers * n * n_kv * hd * nbytes)
     assert "only full blocks travel" in capsys.readouterr().out
+
+
+def test_step_exercises_say_what_is_wrong(capsys):
+    from minillm.course.exercises import check_rope_roll, check_step_split
+
+    def unsigned(x, cos, sin):                               # negates the first half again: sin already does
+        x1, x2 = x.chunk(2, dim=-1)
+        return (x * cos + torch.cat([-x2, x1], dim=-1) * sin).to(x.dtype)
+    assert not check_rope_roll(unsigned)
+    assert "sin already carries the minus sign" in capsys.readouterr().out
+
+    def by_name_only(events, wall):                          # ignores what an operator runs inside
+        parts = {"matmul": 0.0, "attention": 0.0, "other": 0.0}
+        for name, _, ms in events:
+            parts["matmul" if name.endswith("mm") else "attention" if "scaled" in name else "other"] += ms
+        return parts | {"python": wall - sum(parts.values())}
+    assert not check_step_split(by_name_only)
+    assert "attention" in capsys.readouterr().out

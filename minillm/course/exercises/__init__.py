@@ -15,6 +15,7 @@ and returns True when everything passes. It never raises, so a notebook runs on 
     notebook 11  check_parse_sse, check_percentile              (serving.py)
     notebook 12  check_int8_rows, check_dequantize_q4_1         (quant.py)
     notebook 13  check_qkv_shard, check_transfer_bytes          (distributed.py)
+    notebook 14  check_rope_roll, check_step_split              (step.py)
 """
 from .check import Case, run_checks
 from .chunked import check_chunk_mask, check_chunk_sizes
@@ -30,13 +31,15 @@ from .quant import check_dequantize_q4_1, check_int8_rows
 from .sampling import check_min_p, check_top_p
 from .serving import check_parse_sse, check_percentile
 from .speculative import check_residual, check_verify_greedy
+from .step import check_rope_roll, check_step_split
 
 __all__ = [
     "Case", "check_blocks_needed", "check_cached_tokens", "check_causal_attention", "check_chain",
     "check_chunk_mask", "check_chunk_sizes", "check_decode_steps", "check_dequantize_q4_1", "check_gqa_decode",
     "check_int8_rows", "check_kv_append", "check_kv_bytes", "check_merge_splits", "check_min_p",
     "check_online_softmax", "check_pack", "check_parse_sse", "check_percentile", "check_qkv_shard",
-    "check_repeat_kv", "check_residual", "check_rms_norm", "check_slot_lookup", "check_top_p",
+    "check_repeat_kv", "check_residual", "check_rms_norm", "check_rope_roll", "check_slot_lookup",
+    "check_step_split", "check_top_p",
     "check_transfer_bytes", "check_verify_greedy",
     "run_checks"
 ]
