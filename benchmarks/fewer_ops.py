@@ -16,6 +16,7 @@ import json
 import statistics
 import sys
 import time
+from pathlib import Path
 
 from tqdm import tqdm
 
@@ -24,25 +25,15 @@ from minillm.course.bench import machine_info
 from minillm.course.step_variants import VARIANTS, op_counts, textbook
 from minillm.generate import generate
 from minillm.sampling import SamplingParams
-from minillm.stages import KVCacheRunner
 
 PROMPT = "The history of the printing press begins in"
 FORMATS = [("float32", None), ("bfloat16", None), ("float32", "q4_file")]
 # name -> the parts still written the old way
+sys.path.insert(0, str(Path(__file__).parent))
+from step_overhead import decode_step  # noqa: E402  (the same step that step_overhead.py splits)
+
 SETUPS = {"before": VARIANTS, **{f"{v} rewritten": tuple(o for o in VARIANTS if o != v) for v in VARIANTS},
           "after": ()}
-
-
-def decode_step(model, ids):
-    """One single-stream decode step at the prompt's context, forgotten again after it."""
-    runner = KVCacheRunner(model, max_len=len(ids) + 8)
-    runner.prefill(ids)
-    length = runner.length
-
-    def step():
-        runner.decode(11)
-        runner.truncate(length)
-    return step
 
 
 def main() -> None:

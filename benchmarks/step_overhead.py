@@ -55,8 +55,8 @@ def name_of(dtype: str, quant: str | None) -> str:
     return quant or dtype
 
 
-def decode_split(model, ids: list[int], repeats: int) -> dict:
-    """One single-stream decode step at the prompt's context (each step's token is forgotten again)."""
+def decode_step(model, ids: list[int]):
+    """A function that runs one single-stream decode step at the prompt's context and forgets it again."""
     runner = KVCacheRunner(model, max_len=len(ids) + 8)
     runner.prefill(ids)
     length = runner.length
@@ -64,7 +64,12 @@ def decode_split(model, ids: list[int], repeats: int) -> dict:
     def step():
         runner.decode(11)
         runner.truncate(length)
-    return step_split(step, repeats=repeats)
+    return step
+
+
+def decode_split(model, ids: list[int], repeats: int) -> dict:
+    """One single-stream decode step at the prompt's context, split four ways."""
+    return step_split(decode_step(model, ids), repeats=repeats)
 
 
 def decoding_engine(model, tok, n: int = 64, prompt_tokens: int = 200) -> LLMEngine:
