@@ -20,16 +20,16 @@ from __future__ import annotations
 
 import argparse
 import json
-import os
 import re
 import sys
 from pathlib import Path
 
 import torch
 
-if not torch.cuda.is_available():
-    os.environ.setdefault("TRITON_INTERPRET", "1")  # before triton is imported
+sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
+from minillm.device import use_triton_interpreter  # noqa: E402
 
+use_triton_interpreter()   # without a GPU: on before triton is imported
 import triton  # noqa: E402
 
 from minillm.attention import naive_attention  # noqa: E402

@@ -24,6 +24,7 @@ def load_model(path: str | Path | None = None, dtype: torch.dtype | str = torch.
                device: str | torch.device | None = None, attn_fn=None, quant: str | None = None) -> Transformer:
     """Load a Llama-family model (GGUF file or Hugging Face folder; default: the course model).
 
+    device: where it runs; by default the GPU when torch sees one, else the CPU (`minillm.device`).
     dtype: of activations, norms and the KV cache (and of the weights, unquantized): float32, float16
         or bfloat16 (a name or a torch.dtype).
     quant: None, or quantized weights (`minillm.quant`): "int8", "w8a8", "q4", or "q4_file" (the GGUF
@@ -31,10 +32,11 @@ def load_model(path: str | Path | None = None, dtype: torch.dtype | str = torch.
     How a KV cache stores keys and values (int8 or int4, `minillm.kv.quantized`) is the cache's own
     setting: `kv_cache_dtype=` of generate, the runners and the engine.
     """
+    from .device import pick_device
     from .quant import check_format, quantize_model
     from .quant.smoothquant import CALIBRATION, smooth_scales
 
-    dtype = parse_dtype(dtype)
+    dtype, device = parse_dtype(dtype), pick_device(device)
     check_format(quant)
     from .memory import release_memory
 
@@ -42,7 +44,7 @@ def load_model(path: str | Path | None = None, dtype: torch.dtype | str = torch.
     kwargs = {"attn_fn": attn_fn} if attn_fn is not None else {}
     model = build_model(cfg, state, **kwargs)
     del state
-    model = model.to(device) if device is not None else model
+    model = model.to(device)
     if quant == "w8a8":
         tok = load_tokenizer(path)
         model = quantize_model(model, quant, smooth=smooth_scales(model, [tok.encode(t) for t in CALIBRATION]))

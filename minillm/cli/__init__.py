@@ -14,8 +14,6 @@ from __future__ import annotations
 import logging
 import sys
 
-import torch
-
 from .common import fail
 from .parser import build_parser
 
@@ -35,13 +33,11 @@ def _log_to_stderr() -> None:
 
 
 def main(argv=None) -> None:
-    import os
-
+    from ..device import use_triton_interpreter
     from ..triton_support import TritonUnavailable
     from ..weights import ModelNotFoundError
 
-    if not torch.cuda.is_available():  # Triton kernels (stage flash) run through the interpreter on CPU;
-        os.environ.setdefault("TRITON_INTERPRET", "1")  # it must be on before anything imports triton
+    use_triton_interpreter()   # on a CPU the Triton kernels are interpreted: on before anything imports triton
 
     from .bench import cmd_bench
     from .chat import cmd_chat

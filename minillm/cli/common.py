@@ -21,14 +21,18 @@ def sampling_params(args):
 
 def load(args):
     from .. import load_model, load_tokenizer
+    from ..device import pick_device
 
     if args.threads is not None:
         if args.threads < 1:
             fail(f"--threads must be >= 1; got {args.threads}")
         torch.set_num_threads(args.threads)
-    device = args.device or ("cuda" if torch.cuda.is_available() else "cpu")
-    if device.startswith("cuda") and not torch.cuda.is_available():
-        fail(f"--device {device} asked for, but this torch build sees no GPU; use --device cpu")
+    if args.compile and getattr(args, "enforce_eager", False):
+        fail("--compile and --enforce-eager contradict each other: choose one")
+    try:
+        device = str(pick_device(args.device))
+    except (ValueError, RuntimeError):    # RuntimeError: not a device name torch knows
+        fail(f"--device {args.device} asked for, but this torch build sees no such device; use --device cpu")
     tok = load_tokenizer(args.model)
     try:
         model = load_model(args.model, device=device, dtype=args.dtype, quant=args.quant)

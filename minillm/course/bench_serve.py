@@ -176,8 +176,9 @@ def replay_transformers(hf_model, items: list[WorkItem], batch_size: int, pad_id
         clock = Clock()
         started = time.perf_counter()
         with torch.inference_mode():
-            hf_model.generate(ids, attention_mask=mask, max_new_tokens=n, min_new_tokens=n, do_sample=False,
-                              pad_token_id=pad_id, streamer=clock)
+            dev = hf_model.device
+            hf_model.generate(ids.to(dev), attention_mask=mask.to(dev), max_new_tokens=n, min_new_tokens=n,
+                              do_sample=False, pad_token_id=pad_id, streamer=clock)
         steps = clock.times[1:]
         for w, s in zip(batch, sent):
             records[w.request_id] = Record(w.output_len, [t - s for t in steps[:w.output_len]], True,

@@ -11,6 +11,7 @@ from __future__ import annotations
 from pathlib import Path
 from typing import Iterator
 
+import torch
 from tqdm import tqdm
 
 from ..sampling import SamplingParams
@@ -19,14 +20,19 @@ from .request import RequestOutput
 
 
 class LLM:
-    def __init__(self, model=None, tokenizer=None, **engine_options):
+    def __init__(self, model=None, tokenizer=None, device=None, **engine_options):
         """model: None (the course model), a .gguf path or Hugging Face folder, or a loaded Transformer.
+        device: where a model loaded from a path runs (default: the GPU when there is one); a loaded
+        Transformer runs where it is.
         engine_options: LLMEngine's (max_num_seqs, max_num_batched_tokens, kv_cache_memory, policy, ...)."""
         from .. import load_model, load_tokenizer
 
         if model is None or isinstance(model, (str, Path)):
             tokenizer = tokenizer or load_tokenizer(model)
-            model = load_model(model)
+            model = load_model(model, device=device)
+        elif device is not None and torch.device(device).type != model.device.type:
+            raise ValueError(f"the model is on {model.device}, not {device}: move it (model.to(device)) or leave "
+                             "device out")
         self.model, self.tokenizer = model, tokenizer or load_tokenizer()
         self.engine = LLMEngine(self.model, self.tokenizer, **engine_options)
         self._counter = 0
