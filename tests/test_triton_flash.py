@@ -96,6 +96,42 @@ def test_decode_matches_reference(seqlens, group, D, dtype, num_splits):
         torch.testing.assert_close(out[b].double(), ref, **TOL[dtype])
 
 
+@pytest.mark.parametrize("batch, longest, splits", [(1, 40, 1), (1, 8192, 88), (64, 8192, 2), (1, 65, 2)])
+def test_decode_splits_come_from_the_real_lengths(batch, longest, splits):
+    """On an H200 (132 SMs): enough slices for about 2 programs per SM, never more than the longest
+    sequence's tiles of 64 keys. A 40-token cache is one slice however many slots it has."""
+    from minillm.attention.triton_flash import default_num_splits
+
+    assert default_num_splits(batch, 3, longest, 64, torch.device("cuda"), sm_count=132) == splits
+
+
+@pytest.mark.parametrize("paged", [False, True])
+def test_a_short_cache_in_a_long_buffer_is_split_by_its_length(monkeypatch, paged):
+    from minillm.attention import triton_flash
+
+    asked = []
+    real = triton_flash.default_num_splits
+    monkeypatch.setattr(triton_flash, "default_num_splits", lambda *a, **k: asked.append(a[2]) or real(*a, **k))
+    g = torch.Generator().manual_seed(5)
+    q = torch.randn(2, 9, 64, generator=g)
+    lens = torch.tensor([40, 7], dtype=torch.int32)
+    if paged:   # 2 sequences x 64 pages of 16 slots: 1,024 slots each, in a shuffled pool
+        kc, vc = (torch.randn(128, 16, 3, 64, generator=g) for _ in range(2))
+        table = torch.randperm(128, generator=g).to(torch.int32).view(2, 64)
+        rows = lambda c, b, n: c[table[b].long()].flatten(0, 1)[:n]        # noqa: E731
+    else:
+        kc, vc = (torch.randn(2, 1024, 3, 64, generator=g) for _ in range(2))
+        table, rows = None, lambda c, b, n: c[b, :n]                        # noqa: E731
+    out = decode_attention(q, kc, vc, lens, block_table=table)
+    assert asked == [40]                                  # read from cache_seqlens: not the 1,024 slots
+    decode_attention(q, kc, vc, lens, block_table=table, max_seqlen_k=40)
+    assert asked == [40, 40]
+    for b, n in enumerate([40, 7]):
+        ref = naive_attention(q[b, :, None].double()[None], rows(kc, b, n).double().transpose(0, 1)[None],
+                              rows(vc, b, n).double().transpose(0, 1)[None])[0, :, 0]
+        torch.testing.assert_close(out[b].double(), ref, **TOL[torch.float32])
+
+
 def test_decode_reads_a_strided_cache_view():
     """The model's cache is (B, H_kv, max_len, D); a permuted view must work without a copy."""
     g = torch.Generator().manual_seed(11)

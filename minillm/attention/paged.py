@@ -75,7 +75,8 @@ class PagedAttention:
         if self.backend == "torch":
             out = paged_attention(q, kc, vc, self.plan)                  # (N, H, hd)
         elif self.decode:
-            out = self.kernels.decode_attention(q, kc, vc, self.k_lens, block_table=self.table)
+            out = self.kernels.decode_attention(q, kc, vc, self.k_lens, block_table=self.table,
+                                                max_seqlen_k=self.max_k)
         else:
             out = self.kernels.flash_attn_varlen(q, kc, vc, self.cu_q, self.cu_k, self.max_q, self.max_k,
                                                  causal=True, block_table=self.table)

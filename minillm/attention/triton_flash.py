@@ -138,7 +138,7 @@ def _flash_fwd_kernel(
 
 @triton.jit
 def _decode_split_kernel(
-    Q, K, V, seqlens, O_part, LSE_part, scale_log2, keys_per_split, block_table, s_bt,
+    Q, K, V, seqlens, O_part, LSE_part, scale_log2, n_splits, block_table, s_bt,
     sq_b, sq_h, sk_b, sk_t, sk_h, sv_b, sv_t, sv_h, so_b, so_h, so_s, sl_b, sl_h,
     K_s, V_s, ss_b, ss_t, ss_h,                           # scales of a quantized cache (KV_BITS 8 or 4)
     D: tl.constexpr, GROUP: tl.constexpr, IEEE: tl.constexpr,
@@ -146,8 +146,11 @@ def _decode_split_kernel(
     PAGED: tl.constexpr, PAGE: tl.constexpr, KV_BITS: tl.constexpr,
 ):
     # One program: one sequence, one KV head with all GROUP query heads it serves, one slice of keys.
+    # Each sequence cuts its own keys into n_splits slices of whole tiles, so a short cache has short
+    # slices (or none past its end) and the same launch serves any lengths, as a captured graph needs.
     b, kv_head, split = tl.program_id(0), tl.program_id(1), tl.program_id(2)
     seqlen = tl.load(seqlens + b)
+    keys_per_split = tl.cdiv(tl.cdiv(seqlen, n_splits), BLOCK_N) * BLOCK_N
     lo = split * keys_per_split
     hi = tl.minimum(lo + keys_per_split, seqlen)
     offs_h = tl.arange(0, BLOCK_H)               # query heads of this group (padded to a tile)
@@ -308,11 +311,14 @@ def _paged_view(k, v, block_table):
     return k.reshape(-1, *k.shape[2:]), v.reshape(-1, *v.shape[2:]), page, block_table
 
 
-def default_num_splits(batch: int, kv_heads: int, max_seqlen: int, block_n: int, device) -> int:
-    """Enough slices that batch x kv_heads x splits fills the GPU (about 2 programs per SM),
-    but no slice shorter than a tile. On CPU (the interpreter) fewer, larger slices are faster."""
+def default_num_splits(batch: int, kv_heads: int, max_seqlen: int, block_n: int, device,
+                       sm_count: int | None = None) -> int:
+    """Enough slices that batch x kv_heads x splits fills the GPU (about 2 programs per SM), but no slice
+    shorter than a tile of the longest sequence: max_seqlen is the longest cache's *length*, not its capacity
+    (a 40-token cache in 8,192 slots is one tile, one slice). On CPU (the interpreter) fewer, larger slices
+    are faster. sm_count: the GPU's streaming multiprocessors (default: asked of the device)."""
     if device.type == "cuda":
-        target = 2 * torch.cuda.get_device_properties(device).multi_processor_count
+        target = 2 * (sm_count or torch.cuda.get_device_properties(device).multi_processor_count)
     else:
         target = 4
     want = triton.cdiv(target, batch * kv_heads)
@@ -320,9 +326,12 @@ def default_num_splits(batch: int, kv_heads: int, max_seqlen: int, block_n: int,
 
 
 def decode_attention(q, k_cache, v_cache, cache_seqlens, block_table=None, softmax_scale: float | None = None,
-                     num_splits: int | None = None, block_n: int = 64, out: torch.Tensor | None = None) -> torch.Tensor:
+                     num_splits: int | None = None, block_n: int = 64, out: torch.Tensor | None = None,
+                     max_seqlen_k: int | None = None) -> torch.Tensor:
     """One query per sequence against its cache -> out (B, H, D). q: (B, H, D);
-    cache_seqlens: (B,) int32, the number of valid keys per sequence.
+    cache_seqlens: (B,) int32, the number of valid keys per sequence. max_seqlen_k: the largest of them, if
+    the caller knows it (otherwise it is read from cache_seqlens, which waits for the GPU); it sets the
+    number of key slices. num_splits fixes that number instead (a captured graph needs it fixed).
 
     Contiguous: k_cache, v_cache (B, max_len, H_kv, D). Paged (flash-attn's flash_attn_with_kvcache
     convention): k_cache, v_cache (num_blocks, block_size, H_kv, D) and block_table (B, max_blocks)
@@ -333,12 +342,12 @@ def decode_attention(q, k_cache, v_cache, cache_seqlens, block_table=None, softm
     H_kv = k_cache.shape[2]
     if H % H_kv:
         raise ValueError(f"query heads ({H}) must be a multiple of KV heads ({H_kv})")
-    max_len = k_cache.shape[1] if block_table is None else block_table.shape[1] * k_cache.shape[1]
     k_rows, v_rows, page, table = _paged_view(k_cache, v_cache, block_table)
     ks_rows, vs_rows, _, _ = _paged_view(k_s, v_s, block_table) if bits else (k_rows, v_rows, 0, 0)
-    splits = num_splits or default_num_splits(B, H_kv, max_len, block_n, q.device)
-    keys_per_split = triton.cdiv(triton.cdiv(max_len, splits), block_n) * block_n
-    splits = triton.cdiv(max_len, keys_per_split)
+    if num_splits is None:
+        longest = int(cache_seqlens.max()) if max_seqlen_k is None else max_seqlen_k
+        num_splits = default_num_splits(B, H_kv, longest, block_n, q.device)
+    splits = num_splits
     o_part = torch.empty(B, H, splits, D, dtype=torch.float32, device=q.device)
     lse_part = torch.empty(B, H, splits, dtype=torch.float32, device=q.device)
     scale = softmax_scale if softmax_scale is not None else 1.0 / math.sqrt(D)
@@ -352,7 +361,7 @@ def decode_attention(q, k_cache, v_cache, cache_seqlens, block_table=None, softm
         sv = (0, v_rows.stride(0), v_rows.stride(1))
         ss = (0, ks_rows.stride(0), ks_rows.stride(1))
     _decode_split_kernel[(B, H_kv, splits)](
-        q, k_rows, v_rows, cache_seqlens, o_part, lse_part, scale * LOG2E, keys_per_split, table, table.stride(0),
+        q, k_rows, v_rows, cache_seqlens, o_part, lse_part, scale * LOG2E, splits, table, table.stride(0),
         q.stride(0), q.stride(1), *sk, *sv,
         o_part.stride(0), o_part.stride(1), o_part.stride(2), lse_part.stride(0), lse_part.stride(1),
         ks_rows, vs_rows, *ss,

@@ -32,17 +32,19 @@ def _write_slots_kernel(K_new, V_new, K_cache, V_cache, slots, s_new_t, s_new_v,
                         ROW: tl.constexpr, BLOCK: tl.constexpr):
     # One program per new token: copy its H_kv x D keys and values (2 x ROW x e bytes read and
     # written) into its slot. The slot, not the position, says where: pages need not be adjacent.
+    # A slot of -1 is a padding row (a captured graph's batch is padded up to its size): nothing is written.
     t = tl.program_id(0)
     slot = tl.load(slots + t)
     offs = tl.arange(0, BLOCK)
-    ok = offs < ROW
+    ok = offs < tl.where(slot >= 0, ROW, 0)
     tl.store(K_cache + slot * s_cache_t + offs, tl.load(K_new + t * s_new_t + offs, mask=ok), mask=ok)
     tl.store(V_cache + slot * s_cache_t + offs, tl.load(V_new + t * s_new_v + offs, mask=ok), mask=ok)
 
 
 def write_kv_to_slots(k: torch.Tensor, v: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
                       slot_mapping: torch.Tensor) -> None:
-    """k, v: (n, H_kv, D) new keys/values; caches: (num_blocks, block_size, H_kv, D); slot_mapping: (n,)."""
+    """k, v: (n, H_kv, D) new keys/values; caches: (num_blocks, block_size, H_kv, D); slot_mapping: (n,),
+    where a slot of -1 writes nothing."""
     _check(k, v, k_cache, v_cache, slot_mapping)
     n, H_kv, D = k.shape
     if not (k[0].is_contiguous() and v[0].is_contiguous() and k_cache.is_contiguous() and v_cache.is_contiguous()):

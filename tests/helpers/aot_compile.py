@@ -42,7 +42,7 @@ for dt, D, paged, bits in (("bf16", 128, False, 0), ("fp16", 64, True, 0), ("fp3
                                       "BLOCK_N": 64, "BLOCK_D": D, "PAGED": paged, "PAGE": 16, "KV_BITS": bits},
           f"prefill-{tag}", num_warps=4, num_stages=2)
     sig = {"Q": f"*{dt}", "K": kv, "V": kv, "seqlens": "*i32", "O_part": "*fp32", "LSE_part": "*fp32",
-           "scale_log2": "fp32", "keys_per_split": "i32", "block_table": "*i32", "s_bt": "i32",
+           "scale_log2": "fp32", "n_splits": "i32", "block_table": "*i32", "s_bt": "i32",
            **{n: "i32" for n in ["sq_b", "sq_h", "sk_b", "sk_t", "sk_h", "sv_b", "sv_t", "sv_h",
                                  "so_b", "so_h", "so_s", "sl_b", "sl_h"]},
            **scales, "ss_b": "i32", "ss_t": "i32", "ss_h": "i32",
