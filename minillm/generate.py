@@ -64,7 +64,7 @@ def check_prompt(prompt_ids: list[int], max_seq_len: int) -> None:
 def stream(model, tokenizer, prompt_ids: list[int], params: SamplingParams | None = None,
            stage: str = "naive", result: Generation | None = None,
            speculative=None, num_speculative_tokens: int = 4, runner=None,
-           kv_cache_dtype: str | None = None) -> Iterator[str]:
+           kv_cache_dtype: str | None = None, enforce_eager: bool = False) -> Iterator[str]:
     """Generate, yielding text as it is decoded (never half a character, never part of a stop string).
 
     Pass a `Generation` as `result` to receive the token ids and timings as they happen.
@@ -73,13 +73,14 @@ def stream(model, tokenizer, prompt_ids: list[int], params: SamplingParams | Non
     runner: run on this runner instead of a new one of the stage (rank 0 of a tensor-parallel run passes
     one that also drives the other ranks, `distributed/leader.py`).
     kv_cache_dtype: None (the model's dtype), "int8" or "int4": how the stage's cache stores K/V.
+    enforce_eager: no CUDA graphs on a GPU (stages flash and continuous capture their decode steps).
     """
     params = params or SamplingParams()
     max_len = model.cfg.max_seq_len
     check_prompt(prompt_ids, max_len)
     if stage == "continuous":
         yield from _stream_engine(model, tokenizer, prompt_ids, params, result, speculative, num_speculative_tokens,
-                                  kv_cache_dtype)
+                                  kv_cache_dtype, enforce_eager)
         return
     out = result if result is not None else Generation(prompt_tokens=len(prompt_ids))
     out.prompt_tokens, out.stage = len(prompt_ids), stage
@@ -92,7 +93,8 @@ def stream(model, tokenizer, prompt_ids: list[int], params: SamplingParams | Non
                                       detok, out, kv_cache_dtype)
         return
     if runner is None:
-        runner = make_runner(model, stage, min(len(prompt_ids) + params.max_tokens, max_len), kv_cache_dtype)
+        runner = make_runner(model, stage, min(len(prompt_ids) + params.max_tokens, max_len), kv_cache_dtype,
+                             enforce_eager)
     gen = make_generator(params.seed)
 
     t0 = time.perf_counter()
@@ -114,7 +116,7 @@ def stream(model, tokenizer, prompt_ids: list[int], params: SamplingParams | Non
 
 
 def _stream_engine(model, tokenizer, prompt_ids, params, result, speculative=None, k=4,
-                   kv_cache_dtype=None) -> Iterator[str]:
+                   kv_cache_dtype=None, enforce_eager=False) -> Iterator[str]:
     """Stage 5 for one prompt: the serving engine with a pool just big enough for it."""
     from .engine import LLM
 
@@ -122,7 +124,8 @@ def _stream_engine(model, tokenizer, prompt_ids, params, result, speculative=Non
     extra = k + 1 if speculative is not None else 0          # room for drafts being verified
     blocks = -(-min(len(prompt_ids) + params.max_tokens + extra, model.cfg.max_seq_len) // block)
     llm = LLM(model, tokenizer, max_num_seqs=1, block_size=block, num_blocks=blocks, verbose=False,
-              speculative=speculative, num_speculative_tokens=k, kv_cache_dtype=kv_cache_dtype)
+              speculative=speculative, num_speculative_tokens=k, kv_cache_dtype=kv_cache_dtype,
+              enforce_eager=enforce_eager)
     out = result if result is not None else Generation(prompt_tokens=len(prompt_ids))
     out.prompt_tokens, out.stage = len(prompt_ids), "continuous"
     for o in llm.stream(prompt_ids, params):
@@ -138,12 +141,12 @@ def _stream_engine(model, tokenizer, prompt_ids, params, result, speculative=Non
 
 def generate(model, tokenizer, prompt_ids: list[int], params: SamplingParams | None = None,
              stage: str = "naive", speculative=None, num_speculative_tokens: int = 4, runner=None,
-             kv_cache_dtype: str | None = None) -> Generation:
+             kv_cache_dtype: str | None = None, enforce_eager: bool = False) -> Generation:
     """Generate to the end and return the ids, text and timings (and, with `speculative`, its counters)."""
     out = Generation(prompt_tokens=len(prompt_ids))
     for _ in stream(model, tokenizer, prompt_ids, params, stage, result=out,
                     speculative=speculative, num_speculative_tokens=num_speculative_tokens, runner=runner,
-                    kv_cache_dtype=kv_cache_dtype):
+                    kv_cache_dtype=kv_cache_dtype, enforce_eager=enforce_eager):
         pass
     return out
 

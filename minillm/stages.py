@@ -154,13 +154,19 @@ class FlashRunner(KVCacheRunner):
 
     name = "flash"
 
-    def __init__(self, model, max_len: int | None = None, kv_cache_dtype: str | None = None):
+    def __init__(self, model, max_len: int | None = None, kv_cache_dtype: str | None = None,
+                 enforce_eager: bool = False):
+        """On a GPU, decode steps replay a CUDA graph (`cuda_graphs.py`) unless enforce_eager, or the cache
+        is quantized; `cuda_graphs` says whether they do."""
         require_triton("stage flash")
         from .attention import triton_flash
 
         self.kernels = triton_flash
         self._seqlens: torch.Tensor | None = None   # keys per sequence during a decode step
+        self._longest = 0                           # and the most of them
         super().__init__(model, max_len, attn_fn=self._attention, kv_cache_dtype=kv_cache_dtype)
+        self.cuda_graphs = model.device.type == "cuda" and not enforce_eager and kv_cache_dtype is None
+        self._graph = None                          # ContiguousDecodeGraph of the current cache
 
     def _attention(self, q, k, v, mask=None):
         """q: (B, H, T, hd); k, v: (B, n_kv, S, hd) views of the cache -> (B, H, T, hd)."""
@@ -168,7 +174,7 @@ class FlashRunner(KVCacheRunner):
         S = k.shape[2]
         if T == 1:                                                    # decode: every sequence at once
             out = self.kernels.decode_attention(q[:, :, 0], k.permute(0, 2, 1, 3), v.permute(0, 2, 1, 3),
-                                                self._seqlens)        # (B, H, hd)
+                                                self._seqlens, max_seqlen_k=self._longest)   # (B, H, hd)
             return out[:, :, None]
         # prefill: one packed sequence per batch row (right padding is hidden by causal masking)
         cu_q = torch.tensor([0, T], dtype=torch.int32, device=q.device)
@@ -180,13 +186,23 @@ class FlashRunner(KVCacheRunner):
 
     @torch.inference_mode()
     def decode_batch(self, tokens: list[int]) -> torch.Tensor:
-        self._seqlens = torch.tensor([n + 1 for n in self.cache.lengths], dtype=torch.int32,
-                                     device=self.model.device)
+        if self.cuda_graphs:
+            if self._graph is None or self._graph.cache is not self.cache:    # a new prefill, a new cache
+                from .cuda_graphs import ContiguousDecodeGraph
+
+                self._graph = ContiguousDecodeGraph(self.model, self.cache)
+            logits = self._graph.run(tokens)                                   # (B, vocab)
+            self.cache.commit([1] * len(tokens))
+            return logits
+        lengths = [n + 1 for n in self.cache.lengths]
+        self._seqlens = torch.tensor(lengths, dtype=torch.int32, device=self.model.device)
+        self._longest = max(lengths)         # the keys the kernel reads, not the cache's capacity
         return super().decode_batch(tokens)
 
     @torch.inference_mode()
     def extend(self, tokens: list[int], n_layers: int | None = None) -> torch.Tensor:
-        self._seqlens = torch.tensor([self.length + len(tokens)], dtype=torch.int32, device=self.model.device)
+        self._longest = self.length + len(tokens)
+        self._seqlens = torch.tensor([self._longest], dtype=torch.int32, device=self.model.device)
         return super().extend(tokens, n_layers)
 
 
@@ -272,7 +288,10 @@ class PagedRunner(_Runner):
 STAGES = {"naive": NaiveRunner, "kv": KVCacheRunner, "flash": FlashRunner, "paged": PagedRunner}
 
 
-def make_runner(model, stage: str = "naive", max_len: int | None = None, kv_cache_dtype: str | None = None):
+def make_runner(model, stage: str = "naive", max_len: int | None = None, kv_cache_dtype: str | None = None,
+                enforce_eager: bool = False):
+    """enforce_eager: no CUDA graphs (stage flash on a GPU captures its decode step otherwise)."""
     if stage not in STAGES:
         raise ValueError(f"unknown stage {stage!r}; choose one of: {', '.join(STAGES)}")
-    return STAGES[stage](model, max_len, kv_cache_dtype=kv_cache_dtype)
+    extra = {"enforce_eager": enforce_eager} if stage == "flash" else {}
+    return STAGES[stage](model, max_len, kv_cache_dtype=kv_cache_dtype, **extra)

@@ -66,6 +66,8 @@ def test_generate_speculative_json_reports_acceptance(stage):
     (["generate", "hi", "--tensor-parallel", "3", "--quant", "int8"], "drop --quant"),
     (["generate", "hi", "--tensor-parallel", "3", "--stage", "paged"], "drop --stage paged"),
     (["generate", "hi", "--tensor-parallel", "3", "--compile"], "drop --compile"),
+    (["generate", "hi", "--compile", "--enforce-eager"], "contradict each other"),
+    (["generate", "hi", "--device", "tpu:9"], "sees no such device; use --device cpu"),
     (["serve", "--port", "70000"], "--port must be in [0, 65535]"),
     (["serve", "--max-queued-requests", "0"], "--max-queued-requests"),
     (["serve", "--speculative", "magic"], "unknown speculative proposer"),

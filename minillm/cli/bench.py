@@ -108,7 +108,8 @@ def cmd_bench_serve(args) -> None:
     results, _ = run_serve_bench(model, tok, items, systems, hf_model=hf, max_concurrency=args.max_concurrency,
                                  engine_options={"max_num_batched_tokens": args.max_num_batched_tokens,
                                                  "enable_prefix_caching": not args.no_prefix_caching,
-                                                 "kv_cache_dtype": args.kv_cache_dtype},
+                                                 "kv_cache_dtype": args.kv_cache_dtype,
+                                                 "enforce_eager": args.enforce_eager},
                                  timeout_s=args.timeout, on_result=show)
     workload = {"file": args.workload or "data/request_trace.jsonl", "num_requests": len(items),
                 "request_rate": args.request_rate if args.request_rate != float("inf") else "inf",

@@ -21,7 +21,8 @@ def cmd_generate(args) -> None:
     result = Generation(prompt_tokens=len(ids))
     try:
         for piece in stream(model, tok, ids, params, args.stage, result=result, speculative=args.speculative,
-                            num_speculative_tokens=args.num_speculative_tokens, kv_cache_dtype=args.kv_cache_dtype):
+                            num_speculative_tokens=args.num_speculative_tokens, kv_cache_dtype=args.kv_cache_dtype,
+                            enforce_eager=args.enforce_eager):
             if not args.json:
                 print(piece, end="", flush=True)
     except ValueError as e:          # e.g. a draft with more layers than the model has

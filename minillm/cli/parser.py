@@ -25,6 +25,9 @@ def _add_compile_arg(p):
     p.add_argument("--compile", action="store_true",
                    help="compile each block's operators around attention with torch.compile (one compile "
                         "serves every layer; the first steps pay seconds for it, cached on disk); default: eager")
+    p.add_argument("--enforce-eager", action="store_true",
+                   help="run every step eagerly: no CUDA graphs for decode steps (captured on a GPU by default) "
+                        "and no --compile")
 
 
 def _add_precision_args(p):

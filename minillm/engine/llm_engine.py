@@ -16,6 +16,7 @@ from __future__ import annotations
 
 import dataclasses
 import logging
+import time
 from dataclasses import dataclass
 
 import torch
@@ -52,6 +53,7 @@ class EngineConfig:
     speculative: object = None              # a proposer: "ngram", "layers:N" or a speculative.Proposer
     num_speculative_tokens: int = 4
     kv_cache_dtype: str | None = None       # None (the model's dtype), "int8", "int4"
+    enforce_eager: bool = False             # no CUDA graphs for decode steps (they are captured on a GPU only)
     verbose: bool = True                    # log the KV cache's size at INFO level
 
 
@@ -86,6 +88,7 @@ class LLMEngine:
         self.capacity_tokens = num_blocks * c.block_size
         self.max_len = min(self.max_model_len, self.capacity_tokens)   # longest request that can ever run
         self.runner = runner_cls(model, self.kv, c.attention)
+        self.graph_capture_s = self._capture_decode_graphs() if self._graphs_apply() else None
         self.speculator = None if c.speculative is None else Speculator(c.speculative, self.runner,
                                                                           c.num_speculative_tokens)
         self.scheduler = Scheduler(self.kv, c.max_num_seqs, c.max_num_batched_tokens, c.policy,
@@ -102,6 +105,21 @@ class LLMEngine:
             num_blocks * block_bytes / 2**20, kv_dtype or str(model.dtype).removeprefix("torch."), c.policy,
             c.max_num_batched_tokens, c.max_num_seqs, "on" if c.enable_prefix_caching else "off",
             f"{self.speculator.proposer.name}, k={c.num_speculative_tokens}" if self.speculator else "off")
+
+    def _graphs_apply(self) -> bool:
+        """CUDA graphs for decode steps: on a GPU, with the Triton kernels and a float KV cache, unless
+        enforce_eager (a tensor-parallel or simulated runner has none)."""
+        c = self.config
+        return (not c.enforce_eager and self.pool.device.type == "cuda" and c.kv_cache_dtype is None
+                and hasattr(self.runner, "use_decode_graphs") and self.runner.attention == "triton")
+
+    def _capture_decode_graphs(self) -> float:
+        t0 = time.perf_counter()
+        self.runner.use_decode_graphs(self.config.max_num_seqs, self.max_len)
+        seconds = time.perf_counter() - t0
+        logger.info("CUDA graphs for decode batches of %s captured in %.1f s (--enforce-eager: none)",
+                    ", ".join(map(str, self.runner.graphs.sizes)), seconds)
+        return seconds
 
     @property
     def pool(self) -> BlockPool:

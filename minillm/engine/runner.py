@@ -21,7 +21,9 @@ import torch
 
 from ..attention.paged import check_backend
 from ..kv.manager import KVCacheManager
+from ..kv.quantized import QuantizedKV
 from ..stages import PagedRunner
+from ..cuda_graphs import DecodeGraphs
 from .scheduler import ScheduledBatch
 
 
@@ -30,6 +32,21 @@ class ModelRunner(PagedRunner):
         self.model, self.kv = model, kv
         self.attention = check_backend(attention, kv.pool.device.type == "cuda")
         self._workspace = (None, None)   # torch backend: gather buffers kept from step to step
+        self.graphs: DecodeGraphs | None = None
+
+    def use_decode_graphs(self, max_batch: int, max_len: int, eager: bool = False) -> None:
+        """Run decode-only steps of up to max_batch requests through `DecodeGraphs`: captured CUDA graphs
+        on a GPU, or (eager, or on a CPU) the same static step uncaptured. Needs the Triton kernels and a
+        float KV cache."""
+        if self.attention != "triton" or isinstance(self.kv.pool.k[0], QuantizedKV):
+            raise ValueError("decode graphs need attention='triton' and a float KV cache (no kv_cache_dtype)")
+        self.graphs = DecodeGraphs(self.model, self.kv.pool, max_batch, max_len, eager)
+
+    def _graph_batch(self, batch: ScheduledBatch) -> bool:
+        """Whether the step is one the graphs run: every request decodes one token, no drafts."""
+        return (self.graphs is not None and len(batch.requests) <= self.graphs.sizes[-1]
+                and all(n == 1 for n in batch.num_new_tokens) and not any(r.spec_token_ids for r in batch.requests)
+                and batch.logit_rows == list(range(len(batch.requests))))
 
     @torch.inference_mode()
     def execute(self, batch: ScheduledBatch) -> torch.Tensor:
@@ -42,6 +59,8 @@ class ModelRunner(PagedRunner):
             positions += range(start, start + n)
             q_lens.append(n)
             k_lens.append(start + n)
+        if self._graph_batch(batch):
+            return self.graphs.run(ids, positions, [self.kv.block_table(r) for r in batch.requests])
         return self.forward(ids, positions, batch.requests, q_lens, k_lens, batch.logit_rows)
 
     @torch.inference_mode()
