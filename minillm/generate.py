@@ -10,9 +10,11 @@ import time
 from dataclasses import dataclass, field
 from typing import Iterator
 
+import torch
+
 from .detokenizer import IncrementalDetokenizer
 from .stages import STAGES, NaiveRunner, make_runner  # noqa: F401  (re-exported)
-from .sampling import SamplingParams, make_generator, sample_next_token
+from .sampling import SamplingParams, check_vocab, make_generator, penalize, sample_next_token
 
 ALL_STAGES = [*STAGES, "continuous"]   # stage 5, the serving engine, streams through engine/
 
@@ -78,6 +80,12 @@ def stream(model, tokenizer, prompt_ids: list[int], params: SamplingParams | Non
     params = params or SamplingParams()
     max_len = model.cfg.max_seq_len
     check_prompt(prompt_ids, max_len)
+    check_vocab(params, model.cfg.vocab_size)
+    if params.max_tokens == 0 or params.prompt_logprobs is not None:
+        raise ValueError("scoring a prompt (prompt_logprobs, max_tokens=0) is the engine's: use minillm.LLM")
+    if speculative is not None and params.penalized:
+        raise ValueError("penalties and logit_bias change each token's logits by the tokens before it, so "
+                         "they are sampled one at a time: drop speculative, or the penalties")
     if stage == "continuous":
         yield from _stream_engine(model, tokenizer, prompt_ids, params, result, speculative, num_speculative_tokens,
                                   kv_cache_dtype, enforce_eager)
@@ -100,6 +108,7 @@ def stream(model, tokenizer, prompt_ids: list[int], params: SamplingParams | Non
     t0 = time.perf_counter()
     logits = runner.prefill(prompt_ids)
     while True:
+        logits = penalize(logits, params, prompt_ids, detok.token_ids)         # (vocab,) unchanged if none
         token = int(sample_next_token(logits[None], params, gen)[0])
         now = time.perf_counter()
         out.token_times_s.append(now - t0)
@@ -159,6 +168,7 @@ def generate_batch(model, tokenizer, prompts: list[list[int]], params: SamplingP
     max_len = model.cfg.max_seq_len
     for p in prompts:
         check_prompt(p, max_len)
+    check_vocab(params, model.cfg.vocab_size)
     runner = make_runner(model, stage, min(max(map(len, prompts)) + params.max_tokens, max_len), kv_cache_dtype)
     gen = make_generator(params.seed)
     outs = [Generation(prompt_tokens=len(p), stage=stage) for p in prompts]
@@ -166,6 +176,8 @@ def generate_batch(model, tokenizer, prompts: list[list[int]], params: SamplingP
     t0 = time.perf_counter()
     logits = runner.prefill_batch(prompts)                                    # (B, vocab)
     while True:
+        if params.penalized:
+            logits = torch.stack([penalize(row, params, p, d.token_ids) for row, p, d in zip(logits, prompts, detoks)])
         tokens = sample_next_token(logits, params, gen).tolist()              # (B,)
         now = time.perf_counter()
         for out, detok, token in zip(outs, detoks, tokens):

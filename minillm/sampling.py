@@ -1,9 +1,19 @@
 """Choosing the next token from the logits.
 
-    logits (vocab,) -> / temperature -> keep top-k -> keep top-p mass -> keep >= min-p * max -> softmax -> draw
+    logits (vocab,) -> penalties and bias -> / temperature -> keep top-k -> keep top-p mass
+                    -> keep >= min-p * max -> softmax -> draw
 
-Each filter is a pure function: logits in, logits out, with the removed tokens
-set to -inf. Temperature 0 means greedy: the argmax, no randomness at all.
+Each step is a pure function: logits in, logits out, with the removed tokens set to -inf.
+Temperature 0 means greedy: the argmax (of the penalized logits), no randomness at all.
+
+The penalties look back at what was already written, so a model that loops (greedy decoding
+repeats itself, notebook 02) is pushed off its loop:
+
+    presence / frequency (OpenAI):  logit[j] -= presence * (c[j] > 0) + frequency * c[j]
+                                    c[j]: how often token j was generated so far
+    repetition (CTRL, transformers): a token already in the prompt or output has a positive logit
+                                    divided by the penalty, a negative one multiplied by it
+    logit_bias (OpenAI):            logit[j] += bias[j]  (-100 bans j, +100 all but forces it)
 """
 from __future__ import annotations
 
@@ -23,22 +33,43 @@ class SamplingParams:
     seed: int | None = None      # same seed, same samples
     ignore_eos: bool = False     # keep going past end-of-text tokens (benchmarks: fixed-length outputs)
     logprobs: int | None = None  # engine: report each token's log-probability and this many best alternatives
+    prompt_logprobs: int | None = None  # engine: the same for every prompt token (scoring a text)
+    presence_penalty: float = 0.0        # in [-2, 2]: subtracted once from each token already generated
+    frequency_penalty: float = 0.0       # in [-2, 2]: subtracted per time a token was generated
+    repetition_penalty: float = 1.0      # > 0; 1 is off: > 1 discourages every token seen (prompt and output)
+    logit_bias: tuple[tuple[int, float], ...] = ()   # (token id, bias in [-100, 100]); a dict is accepted
 
     def __post_init__(self):
         if isinstance(self.stop, str):
             object.__setattr__(self, "stop", (self.stop,))
         else:
             object.__setattr__(self, "stop", tuple(self.stop or ()))
+        bias = self.logit_bias.items() if isinstance(self.logit_bias, dict) else (self.logit_bias or ())
+        try:
+            object.__setattr__(self, "logit_bias", tuple(sorted((int(t), float(b)) for t, b in bias)))
+        except (TypeError, ValueError):
+            raise ValueError(f"logit_bias must be a map of token ids to numbers; got {self.logit_bias!r}") from None
         checks = [
             ("temperature", self.temperature, self.temperature >= 0, ">= 0 (0 means greedy)"),
             ("top_k", self.top_k, isinstance(self.top_k, int) and self.top_k >= 0, "an integer >= 0 (0 turns it off)"),
             ("top_p", self.top_p, 0 < self.top_p <= 1, "in (0, 1] (1 turns it off)"),
             ("min_p", self.min_p, 0 <= self.min_p <= 1, "in [0, 1] (0 turns it off)"),
-            ("max_tokens", self.max_tokens, isinstance(self.max_tokens, int) and self.max_tokens >= 1, "an integer >= 1"),
+            ("max_tokens", self.max_tokens, isinstance(self.max_tokens, int) and self.max_tokens >= 1
+             or self.max_tokens == 0 and self.prompt_logprobs is not None,
+             "an integer >= 1 (0 only to score a prompt, with prompt_logprobs)"),
+            ("presence_penalty", self.presence_penalty, -2 <= self.presence_penalty <= 2, "in [-2, 2] (0 turns it off)"),
+            ("frequency_penalty", self.frequency_penalty, -2 <= self.frequency_penalty <= 2,
+             "in [-2, 2] (0 turns it off)"),
+            ("repetition_penalty", self.repetition_penalty, 0 < self.repetition_penalty <= 10,
+             "in (0, 10] (1 turns it off)"),
+            ("logit_bias", self.logit_bias, all(t >= 0 and -100 <= b <= 100 for t, b in self.logit_bias),
+             "token ids >= 0 with biases in [-100, 100]"),
         ]
-        if self.logprobs is not None:
-            checks.append(("logprobs", self.logprobs, isinstance(self.logprobs, int) and 0 <= self.logprobs <= 20,
-                           "an integer in [0, 20] (or None for no log-probabilities)"))
+        for name in ("logprobs", "prompt_logprobs"):
+            value = getattr(self, name)
+            if value is not None:
+                checks.append((name, value, isinstance(value, int) and 0 <= value <= 20,
+                               "an integer in [0, 20] (or None for no log-probabilities)"))
         for name, value, ok, allowed in checks:
             if not ok or value != value:  # value != value catches NaN
                 raise ValueError(f"{name} must be {allowed}; got {value!r}")
@@ -48,6 +79,67 @@ class SamplingParams:
     @property
     def greedy(self) -> bool:
         return self.temperature == 0
+
+    @property
+    def penalized(self) -> bool:
+        """Whether the logits are changed before sampling (penalties or a bias): then each token
+        depends on the ones before it, and is sampled one at a time."""
+        return bool(self.presence_penalty or self.frequency_penalty or self.repetition_penalty != 1
+                    or self.logit_bias)
+
+
+def check_vocab(params: SamplingParams, vocab: int) -> None:
+    """ValueError if params name a token the model does not have (logit_bias)."""
+    bad = [t for t, _ in params.logit_bias if t >= vocab]
+    if bad:
+        raise ValueError(f"logit_bias names token ids outside the vocabulary [0, {vocab}): {bad[:5]}")
+
+
+def token_counts(token_ids: list[int], vocab: int, device=None) -> torch.Tensor:
+    """(vocab,) how often each token occurs in token_ids (float, ready to scale)."""
+    ids = torch.tensor(token_ids, dtype=torch.long, device=device)
+    return torch.bincount(ids, minlength=vocab)[:vocab].float()
+
+
+def presence_frequency_penalty(logits: torch.Tensor, counts: torch.Tensor, presence: float,
+                               frequency: float) -> torch.Tensor:
+    """OpenAI's penalties: logits (..., V), counts (..., V) of each generated token ->
+    logits - presence * (counts > 0) - frequency * counts."""
+    return logits - presence * (counts > 0) - frequency * counts
+
+
+def repetition_penalty(logits: torch.Tensor, seen: torch.Tensor, penalty: float) -> torch.Tensor:
+    """CTRL's penalty (Keskar et al., 2019) as transformers and vLLM apply it: where `seen` (..., V) is
+    true, a positive logit is divided by the penalty and a negative one multiplied by it (both make the
+    token less likely for a penalty > 1)."""
+    if penalty == 1:
+        return logits
+    return torch.where(seen, torch.where(logits > 0, logits / penalty, logits * penalty), logits)
+
+
+def add_logit_bias(logits: torch.Tensor, bias: tuple[tuple[int, float], ...]) -> torch.Tensor:
+    """logits (..., V) + the bias of each listed token."""
+    if not bias:
+        return logits
+    ids = torch.tensor([t for t, _ in bias], device=logits.device)
+    return logits.index_add(-1, ids, torch.tensor([b for _, b in bias], dtype=logits.dtype, device=logits.device))
+
+
+def penalize(logits: torch.Tensor, params: SamplingParams, prompt_ids: list[int],
+             output_ids: list[int]) -> torch.Tensor:
+    """logits (V,) of one sequence, after the prompt and the output so far, with its penalties and bias
+    (unchanged when it has none)."""
+    if not params.penalized:
+        return logits
+    V = logits.shape[-1]
+    logits = logits.float()
+    if params.repetition_penalty != 1:
+        seen = token_counts(prompt_ids + output_ids, V, logits.device) > 0
+        logits = repetition_penalty(logits, seen, params.repetition_penalty)
+    if (params.presence_penalty or params.frequency_penalty) and output_ids:
+        counts = token_counts(output_ids, V, logits.device)
+        logits = presence_frequency_penalty(logits, counts, params.presence_penalty, params.frequency_penalty)
+    return add_logit_bias(logits, params.logit_bias)
 
 
 def apply_temperature(logits: torch.Tensor, temperature: float) -> torch.Tensor:

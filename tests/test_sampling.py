@@ -4,7 +4,8 @@ import math
 import pytest
 import torch
 
-from minillm.sampling import (SamplingParams, filtered_probs, make_generator, min_p_filter, sample_next_token,
+from minillm.sampling import (SamplingParams, add_logit_bias, filtered_probs, make_generator, min_p_filter, penalize,
+                              presence_frequency_penalty, repetition_penalty, sample_next_token, token_counts,
                               top_k_filter, top_p_filter)
 
 
@@ -12,6 +13,9 @@ from minillm.sampling import (SamplingParams, filtered_probs, make_generator, mi
     ({"temperature": -0.1}, "temperature"), ({"temperature": float("nan")}, "temperature"),
     ({"top_p": 0.0}, "top_p"), ({"top_p": 1.5}, "top_p"), ({"top_k": -1}, "top_k"),
     ({"max_tokens": 0}, "max_tokens"), ({"min_p": 2.0}, "min_p"), ({"stop": [""]}, "stop"),
+    ({"presence_penalty": 2.5}, "presence_penalty"), ({"frequency_penalty": -3}, "frequency_penalty"),
+    ({"repetition_penalty": 0}, "repetition_penalty"), ({"logit_bias": {5: 101}}, "logit_bias"),
+    ({"logit_bias": {"x": 1}}, "logit_bias"), ({"prompt_logprobs": 21}, "prompt_logprobs"),
 ])
 def test_invalid_params_name_the_parameter_and_range(kwargs, name):
     with pytest.raises(ValueError, match=f"^{name} must be"):
@@ -93,3 +97,40 @@ def test_samples_follow_the_filtered_distribution(params):
     p_value = _chi_square_p_value(counts[keep], probs[keep].double() * n)
     assert p_value > 1e-3, f"chi-square p = {p_value:.2e}"
     assert math.isclose(probs.sum().item(), 1.0, rel_tol=1e-5)
+
+
+# ---------------------------------------------------------------- penalties and bias, by hand
+LOGITS = torch.tensor([2.0, -1.0, 0.5, 3.0, -2.0])
+
+
+def test_presence_and_frequency_penalties_by_hand():
+    counts = token_counts([3, 3, 1, 3], vocab=5)                       # token 3 three times, token 1 once
+    assert counts.tolist() == [0, 1, 0, 3, 0]
+    out = presence_frequency_penalty(LOGITS, counts, presence=0.5, frequency=0.25)
+    # token 1: -1 - 0.5 - 0.25 * 1;  token 3: 3 - 0.5 - 0.25 * 3;  the others unchanged
+    assert out.tolist() == [2.0, -1.75, 0.5, 1.75, -2.0]
+
+
+def test_repetition_penalty_divides_positive_and_multiplies_negative_logits():
+    seen = torch.tensor([True, True, False, False, True])
+    assert repetition_penalty(LOGITS, seen, 2.0).tolist() == [1.0, -2.0, 0.5, 3.0, -4.0]
+    assert torch.equal(repetition_penalty(LOGITS, seen, 1.0), LOGITS)
+
+
+def test_logit_bias_adds_per_token():
+    assert add_logit_bias(LOGITS, ((0, -100.0), (4, 10.0))).tolist() == [-98.0, -1.0, 0.5, 3.0, 8.0]
+
+
+def test_penalize_uses_prompt_for_repetition_and_output_for_presence():
+    params = SamplingParams(presence_penalty=1.0, repetition_penalty=2.0, logit_bias={2: 1.5})
+    out = penalize(LOGITS, params, prompt_ids=[0], output_ids=[3])
+    # token 0 (prompt): 2 / 2;  token 3 (output): 3 / 2 - 1;  token 2: 0.5 + 1.5
+    assert out.tolist() == [1.0, -1.0, 2.0, 0.5, -2.0]
+    assert penalize(LOGITS, SamplingParams(), [0], [3]) is LOGITS        # nothing asked: the same tensor
+
+
+def test_greedy_follows_the_penalized_logits():
+    params = SamplingParams(logit_bias={"3": -100})                   # keys may be strings, as in JSON
+    assert params.logit_bias == ((3, -100.0),) and params.penalized
+    out = penalize(LOGITS, params, [], [])
+    assert int(sample_next_token(out[None], params)[0]) == 0          # the best but banned 3 -> the next best
