@@ -26,7 +26,7 @@ from ..kv import BlockPool, kv_cache_bytes
 from ..kv.manager import KVCacheManager
 from ..kv.prefix_cache import PrefixCachingPool
 from ..kv.quantized import check_kv_dtype
-from ..sampling import SamplingParams, sample_next_token
+from ..sampling import SamplingParams, check_vocab, penalize, sample_next_token
 from .request import Request, RequestOutput
 from .runner import ModelRunner
 from .scheduler import ScheduledBatch, Scheduler
@@ -144,6 +144,9 @@ class LLMEngine:
         if any(i in self.requests for i in ids):
             raise ValueError(f"request id {request_id!r} is already in use by an unfinished request")
         prompt = self.check_prompt(prompt_ids)
+        check_vocab(params, self.model.cfg.vocab_size)
+        if params.max_tokens == 0 and n != 1:
+            raise ValueError("scoring a prompt (max_tokens=0) has one answer: n must be 1")
         req = self._new_request(request_id, prompt, params)
         if arrival_time is not None:
             req.arrival_time = arrival_time
@@ -211,6 +214,7 @@ class LLMEngine:
         self.tokens_last_step = batch.total_tokens
         if batch.requests:
             logits = self.runner.execute(batch)                         # (len(batch.logit_rows), vocab)
+            _score_prompts(batch, logits)
             sampled = self._sample(batch, logits)
             for req in self.scheduler.update_from_output(batch, sampled):
                 self.requests.setdefault(req.request_id, req)           # (a sample forked off in this step)
@@ -226,16 +230,20 @@ class LLMEngine:
         samples = batch.samples
         tokens: list[list[int]] = [[] for _ in samples]
         plain = [i for i, (r, _, m) in enumerate(samples) if m == 1]
-        greedy = [i for i in plain if samples[i][0].params.greedy]
+        # rows with penalties or a bias, changed (the logprobs are still the model's own, as vLLM's)
+        changed = {i: penalize(logits[samples[i][1]], r.params, r.prompt_token_ids, r.output_token_ids)[None]
+                   for i in plain if (r := samples[i][0]).params.penalized}
+        greedy = [i for i in plain if samples[i][0].params.greedy and i not in changed]
         if greedy:
             rows = [samples[i][1] for i in greedy]
             for i, t in zip(greedy, logits[rows].argmax(dim=-1).tolist()):
                 tokens[i] = [t]
         for i in plain:
             r, row, _ = samples[i]
-            if not r.params.greedy:
+            if not r.params.greedy or i in changed:
                 try:
-                    tokens[i] = [int(sample_next_token(logits[row:row + 1], r.params, r.generator)[0])]
+                    row_logits = changed[i] if i in changed else logits[row:row + 1]
+                    tokens[i] = [int(sample_next_token(row_logits, r.params, r.generator)[0])]
                 except RuntimeError as e:
                     r.error = f"sampling failed: {e}"
                     r.finish("error")
@@ -269,6 +277,20 @@ class LLMEngine:
                 "prefix_cache_evictions": getattr(pool, "num_evictions", 0),
                 "spec_drafts": sp.num_drafts if sp else 0, "spec_draft_tokens": sp.num_draft_tokens if sp else 0,
                 "spec_accepted_tokens": sp.num_accepted_tokens if sp else 0}
+
+
+def _score_prompts(batch: ScheduledBatch, logits: torch.Tensor) -> None:
+    """Append the log-probabilities of the prompt tokens this step's rows predict (batch.prompt_rows)
+    to their requests' prompt_logprobs."""
+    for req, row, m, pos in batch.prompt_rows:
+        lp = torch.log_softmax(logits[row:row + m].float(), dim=-1)                   # (m, vocab)
+        targets = torch.tensor(req.prompt_token_ids[pos:pos + m], device=lp.device)   # (m,)
+        chosen = lp.gather(1, targets[:, None])[:, 0].tolist()
+        k = req.params.prompt_logprobs
+        best = lp.topk(k, dim=-1) if k else None
+        for j, v in enumerate(chosen):
+            top = list(zip(best.indices[j].tolist(), best.values[j].tolist())) if k else []
+            req.prompt_logprobs.append((v, top))
 
 
 def _logprobs(logits: torch.Tensor, token: int, top: int) -> tuple[float, list[tuple[int, float]]]:

@@ -60,6 +60,8 @@ class Request:
     spec_probs: torch.Tensor | None = None      # (drafts, vocab) the draft's distributions; None: one-hot
     # params.logprobs set: per output token (its log-probability, [(id, log-probability)] of the best ones)
     logprobs: list[tuple[float, list[tuple[int, float]]]] | None = None
+    # params.prompt_logprobs set: the same per prompt token, None for the first (nothing comes before it)
+    prompt_logprobs: list[tuple[float, list[tuple[int, float]]] | None] | None = None
     # n > 1: the siblings (id, params) forked off this request once its prompt is computed
     forks: list[tuple[str, SamplingParams]] = field(default_factory=list)
 
@@ -68,6 +70,8 @@ class Request:
             self.generator = make_generator(self.params.seed)
         if self.params.logprobs is not None:
             self.logprobs = []
+        if self.params.prompt_logprobs is not None:
+            self.prompt_logprobs = [None]
 
     @property
     def output_token_ids(self) -> list[int]:
@@ -187,6 +191,12 @@ class RequestOutput:
         if self._request is None or self._request.logprobs is None:
             return None
         return self._request.logprobs[:self._num_tokens]
+
+    @property
+    def prompt_logprobs(self) -> list[tuple[float, list[tuple[int, float]]] | None] | None:
+        """params.prompt_logprobs set: each prompt token's (log-probability, best alternatives), None for
+        the first; complete from the request's first token on."""
+        return None if self._request is None else self._request.prompt_logprobs
 
     @property
     def metrics(self) -> RequestMetrics:

@@ -79,18 +79,29 @@ class ScheduledBatch:
         samples of an n > 1 request whose prompt ends here share its row."""
         return self._plan()[1]
 
+    @property
+    def prompt_rows(self) -> list[tuple[Request, int, int, int]]:
+        """(request, first row, rows, first prompt position they predict) for requests that want their
+        prompt's log-probabilities: a prompt token's row gives the next prompt token's."""
+        return self._plan()[2]
+
     def _plan(self) -> tuple:
         """Computed once, on first use (after the drafts are proposed)."""
         if self._rows is None:
-            rows, samples, packed = [], [], 0
+            rows, samples, prompt, packed = [], [], [], 0
             for req, n in zip(self.requests, self.num_new_tokens):
-                d = len(req.spec_token_ids)
+                d, start = len(req.spec_token_ids), req.num_computed_tokens
+                if req.prompt_logprobs is not None:     # rows of prompt positions not yet scored
+                    lo, hi = max(start, len(req.prompt_logprobs) - 1), min(start + n, len(req.prompt_token_ids) - 1)
+                    if hi > lo:
+                        prompt.append((req, len(rows), hi - lo, lo + 1))
+                        rows += range(packed + lo - start, packed + hi - start)
                 packed += n
-                if req.num_computed_tokens + n - d == req.num_tokens:
+                if start + n - d == req.num_tokens and req.params.max_tokens:
                     samples.append((req, len(rows), 1 + d))
                     samples += [(kid, len(rows), 1) for kid in req.forks]
                     rows += range(packed - 1 - d, packed)
-            self._rows = (rows, samples)
+            self._rows = (rows, samples, prompt)
         return self._rows
 
 
@@ -182,8 +193,8 @@ class Scheduler:
     def _spec_slots(self, req: Request, n: int, budget: int) -> int:
         """Room for drafts after a decoding request's sampled token: at most k, within the budget, the
         request's max_tokens and the context, and only while the pool has the blocks without preempting."""
-        if not self.num_speculative_tokens or n != 1 or not req.output_token_ids:
-            return 0
+        if not self.num_speculative_tokens or n != 1 or not req.output_token_ids or req.params.penalized:
+            return 0                           # (penalties: each token's logits depend on the one before)
         spec = min(self.num_speculative_tokens, budget - 1,
                    req.params.max_tokens - len(req.output_token_ids) - 1, self.max_len - req.num_tokens - 1)
         while spec > 0 and not self.kv.can_append(req, 1 + spec):
@@ -237,6 +248,11 @@ class Scheduler:
             req.num_computed_tokens += n - len(req.spec_token_ids)     # drafts count once accepted
             if req.num_computed_tokens < req.num_tokens:                # a prompt chunk: nothing sampled
                 self.kv.cache_full_blocks(req)
+                continue
+            if not req.params.max_tokens:                             # scored, nothing to generate
+                req.finish("length", now)
+                self.finish(req)
+                advanced.append(req)
                 continue
             kids = self._fork(req) if req.forks else []
             for r in [req, *kids]:

@@ -65,7 +65,7 @@ class KVCacheManager:
     def computed_blocks(self, req) -> list[int]:
         """Blocks of the cache holding the longest prefix of req's tokens, at most all but the block
         of its last token (that one is computed: its logits are needed, and cached blocks are never written)."""
-        if not self.prefix_caching:
+        if not self.prefix_caching or req.prompt_logprobs is not None:   # (scoring: every token's logits)
             return []
         bs, tokens = self.block_size, req.all_token_ids
         usable = (len(tokens) - 1) // bs
