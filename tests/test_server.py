@@ -202,8 +202,8 @@ BAD = [   # (path, body: dict or raw bytes, status, param or None, words in the 
     ("/v1/chat/completions", {"model": MODEL, "messages": [{"content": "hi"}]}, 400, "messages.0.role", "required"),
     ("/v1/chat/completions", {"model": "gpt-4", "messages": QUESTION}, 404, "model", "does not exist"),
     ("/v1/completions", {"model": MODEL, "prompt": "hi", "n": 1000}, 400, "n", "[1, 64]"),
-    ("/v1/completions", {"model": MODEL, "prompt": "hi", "frequency_penalty": 1.0}, 400, "frequency_penalty",
-     "not supported"),
+    ("/v1/completions", {"model": MODEL, "prompt": "hi", "frequency_penalty": 2.5}, 400, "frequency_penalty",
+     "[-2, 2]"),
     ("/v1/completions", b'{"model": "smol", "prompt": "' + b"a" * (5 << 20) + b'"}', 413, None, "limit"),
 ]
 

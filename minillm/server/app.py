@@ -1,8 +1,11 @@
 """The HTTP routes: OpenAI's API in front of one AsyncEngine.
 
-    GET  /v1/models             the model served
-    POST /v1/completions        prompt (text or token ids, one or a list) -> text
+    GET  /v1/models             the model served (and /v1/models/{id})
+    POST /v1/completions        prompt (text or token ids, one or a list) -> text; with echo and
+                                logprobs, the prompt scored token by token (what lm-eval asks)
     POST /v1/chat/completions   messages -> the assistant's answer
+    POST /tokenize, /detokenize text or messages <-> token ids (vLLM's shapes)
+    GET  /tokenizer_info        the special tokens and context length (vLLM's; lm-eval reads it)
     GET  /health                200 while the engine thread runs (no API key needed)
     GET  /metrics               Prometheus text (metrics.py)
 
@@ -25,9 +28,10 @@ from fastapi.responses import JSONResponse, Response, StreamingResponse
 from pydantic import ValidationError
 from starlette.exceptions import HTTPException as StarletteHTTPException
 
-from ..sampling import SamplingParams
+from ..sampling import SamplingParams, check_vocab
 from .async_engine import AsyncEngine, QueueFull
-from .protocol import APIError, ChatRequest, CompletionRequest, validation_message
+from .protocol import (APIError, ChatRequest, CompletionRequest, DetokenizeRequest, TokenizeRequest,
+                       validation_message)
 
 MAX_BODY_BYTES = 1 << 20      # 1 MiB: far more than a full context of text or token ids
 
@@ -48,9 +52,51 @@ class _API:
     async def get_metrics(self):
         return Response(self.metrics.render(), media_type="text/plain; version=0.0.4; charset=utf-8")
 
+    def _card(self) -> dict:
+        return {"id": self.model_name, "object": "model", "created": int(time.time()), "owned_by": "minillm",
+                "max_model_len": self.engine.max_len}
+
     async def models(self):
-        return {"object": "list", "data": [{"id": self.model_name, "object": "model", "created": int(time.time()),
-                                            "owned_by": "minillm", "max_model_len": self.engine.max_len}]}
+        return {"object": "list", "data": [self._card()]}
+
+    async def model(self, model_id: str):
+        self._model_check(model_id)
+        return self._card()
+
+    async def tokenizer_info(self):
+        tok = self.tok
+        piece = lambda i: None if i is None else tok.id_to_piece(i)   # noqa: E731
+        return {"tokenizer_class": type(tok).__name__, "vocab_size": tok.vocab_size,
+                "model_max_length": self.engine.max_len, "bos_token": piece(tok.bos_id),
+                "eos_token": piece(tok.eos_id), "pad_token": None,
+                "stop_tokens": sorted(tok.id_to_piece(i) for i in tok.stop_ids)}
+
+    async def tokenize(self, request: Request):
+        body = await _parse(request, TokenizeRequest)
+        if body.model is not None:
+            self._model_check(body.model)
+        if (body.prompt is None) == (body.messages is None):
+            raise APIError(400, "give either 'prompt' (a text) or 'messages' (a chat), not both or neither", "prompt")
+        ids = self.tok.encode(body.prompt) if body.prompt is not None else \
+            self._chat_ids(body.messages, body.add_generation_prompt)
+        return {"count": len(ids), "max_model_len": self.engine.max_len, "tokens": ids,
+                "token_strs": [self.tok.id_to_piece(i) for i in ids] if body.return_token_strs else None}
+
+    async def detokenize(self, request: Request):
+        body = await _parse(request, DetokenizeRequest)
+        if body.model is not None:
+            self._model_check(body.model)
+        try:
+            return {"prompt": self.tok.decode(body.tokens)}
+        except ValueError as e:
+            raise APIError(400, str(e), "tokens") from None
+
+    def _chat_ids(self, messages, add_generation_prompt: bool = True) -> list[int]:
+        msgs = [{"role": "system" if m.role == "developer" else m.role, "content": m.text()} for m in messages]
+        try:
+            return self.tok.apply_chat_template(msgs, add_generation_prompt)
+        except ValueError as e:
+            raise APIError(400, str(e), "messages") from None
 
     # ------------------------------------------------------------ generation routes
     async def completions(self, request: Request):
@@ -58,23 +104,19 @@ class _API:
         prompts = body.prompt if isinstance(body.prompt, list) and body.prompt and \
             isinstance(body.prompt[0], (str, list)) else [body.prompt]
         ids = [self.tok.encode(p) if isinstance(p, str) else p for p in prompts]
-        return await self._run(request, body, ids, chat=False)
+        texts = [p if isinstance(p, str) else None for p in prompts]     # echo: the prompt as it was sent
+        return await self._run(request, body, ids, chat=False, texts=texts)
 
     async def chat_completions(self, request: Request):
         body = await _parse(request, ChatRequest)
         if not body.messages:
             raise APIError(400, "'messages' is empty: give at least one message", "messages")
-        msgs = [{"role": "system" if m.role == "developer" else m.role, "content": m.text()} for m in body.messages]
-        try:
-            ids = self.tok.apply_chat_template(msgs)
-        except ValueError as e:
-            raise APIError(400, str(e), "messages") from None
-        return await self._run(request, body, [ids], chat=True)
+        return await self._run(request, body, [self._chat_ids(body.messages)], chat=True)
 
     # ------------------------------------------------------------ the work
-    def _model_check(self, body) -> None:
-        if body.model != self.model_name:
-            raise APIError(404, f"the model '{body.model}' does not exist; this server has '{self.model_name}' "
+    def _model_check(self, model: str) -> None:
+        if model != self.model_name:
+            raise APIError(404, f"the model '{model}' does not exist; this server has '{self.model_name}' "
                                 f"(GET /v1/models)", "model", "model_not_found")
 
     def _params(self, body, prompt_len: int, chat: bool) -> SamplingParams:
@@ -88,28 +130,46 @@ class _API:
             raise APIError(400, f"this model's context is {limit} tokens: the prompt has {prompt_len} and max_tokens "
                                 f"asks for {max_tokens} more; lower max_tokens to at most {limit - prompt_len} or "
                                 f"shorten the prompt", "max_tokens", "context_length_exceeded")
-        for name in ("frequency_penalty", "presence_penalty"):
-            if getattr(body, name) != 0:
-                raise APIError(400, f"'{name}' is not supported (only 0)", name)
-        logprobs = None
+        echo = not chat and body.echo
+        if max_tokens == 0 and not echo:
+            raise APIError(400, "'max_tokens' must be an integer >= 1 (0 only with 'echo': true, to score the "
+                                "prompt)", "max_tokens")
+        if max_tokens == 0 and body.n != 1:
+            raise APIError(400, "scoring a prompt (max_tokens 0) has one answer: 'n' must be 1", "n")
+        logprobs = prompt_logprobs = None
         if chat and body.logprobs:
             logprobs = body.top_logprobs or 0
         elif chat and body.top_logprobs is not None:
             raise APIError(400, "'top_logprobs' needs 'logprobs': true", "top_logprobs")
+        elif not chat:
+            logprobs = body.logprobs
+            prompt_logprobs = body.logprobs if echo and body.logprobs is not None else (0 if max_tokens == 0 else None)
         if body.temperature > 2:
             raise APIError(400, f"'temperature' must be in [0, 2]; got {body.temperature}", "temperature")
         try:
-            return SamplingParams(temperature=body.temperature, top_p=body.top_p, top_k=max(body.top_k, 0),
-                                  min_p=body.min_p, max_tokens=limit - prompt_len if max_tokens is None else max_tokens,
-                                  stop=body.stop or (), seed=body.seed, ignore_eos=body.ignore_eos, logprobs=logprobs)
+            bias = {int(k): v for k, v in (body.logit_bias or {}).items()}
+        except ValueError:
+            raise APIError(400, f"'logit_bias' maps token ids to biases: its keys must be integers (as strings); "
+                                f"got {list(body.logit_bias)[:5]}", "logit_bias") from None
+        try:
+            params = SamplingParams(
+                temperature=body.temperature, top_p=body.top_p, top_k=max(body.top_k, 0), min_p=body.min_p,
+                max_tokens=limit - prompt_len if max_tokens is None else max_tokens, stop=body.stop or (),
+                seed=body.seed, ignore_eos=body.ignore_eos, logprobs=logprobs, prompt_logprobs=prompt_logprobs,
+                presence_penalty=body.presence_penalty, frequency_penalty=body.frequency_penalty,
+                repetition_penalty=body.repetition_penalty, logit_bias=bias)
+            check_vocab(params, self.engine.model.cfg.vocab_size)
+            return params
         except ValueError as e:
             msg = str(e)
             param = msg.split(" ", 1)[0]
-            raise APIError(400, msg.replace("logprobs", "top_logprobs") if param == "logprobs" else msg,
-                           "top_logprobs" if param == "logprobs" else param) from None
+            if param in ("logprobs", "prompt_logprobs"):          # the API's own names for them
+                param = "top_logprobs" if chat else "logprobs"
+                msg = param + " " + msg.split(" ", 1)[1]
+            raise APIError(400, msg, param) from None
 
-    async def _run(self, request: Request, body, prompts: list[list[int]], chat: bool):
-        self._model_check(body)
+    async def _run(self, request: Request, body, prompts: list[list[int]], chat: bool, texts=None):
+        self._model_check(body.model)
         if not prompts or not all(prompts):
             raise APIError(400, "the prompt is empty: give at least one token", "prompt")
         most = self.engine.scheduler.max_num_seqs
@@ -131,9 +191,14 @@ class _API:
             raise APIError(503, str(e), code="queue_full") from None
         streams = [self.aengine.generate(f"{rid}-{i}", p, sp, body.n) for i, (p, sp) in enumerate(zip(prompts, params))]
         index = {f"{rid}-{i}" + (f"/{j}" if j else ""): i * body.n + j for i in range(len(prompts)) for j in range(body.n)}
-        shape = _Shape(rid, self.model_name, chat, self.tok, sum(map(len, prompts)))
+        echo = None
+        if not chat and body.echo:           # per choice: the prompt's text and ids
+            echo = [(t if t is not None else self.tok.decode(p), p) for p, t in zip(prompts, texts) for _ in range(body.n)]
+        shape = _Shape(rid, self.model_name, chat, self.tok, sum(map(len, prompts)), echo,
+                       not chat and body.logprobs is not None)
         if body.stream:
-            usage = body.stream_options is not None and body.stream_options.include_usage
+            opts = body.stream_options
+            usage = "every" if opts and opts.continuous_usage_stats else "end" if opts and opts.include_usage else None
             return StreamingResponse(_sse(shape, _merge(streams), index, usage), media_type="text/event-stream")
         return await _whole(request, shape, _merge(streams), index)
 
@@ -185,6 +250,10 @@ def create_app(engine, model_name: str, api_key: str | None = None, max_queued_r
     app.get("/health")(api.health)
     app.get("/metrics")(api.get_metrics)
     app.get("/v1/models")(api.models)
+    app.get("/v1/models/{model_id:path}")(api.model)
+    app.get("/tokenizer_info")(api.tokenizer_info)
+    app.post("/tokenize")(api.tokenize)
+    app.post("/detokenize")(api.detokenize)
     app.post("/v1/completions")(api.completions)
     app.post("/v1/chat/completions")(api.chat_completions)
     return app
@@ -237,10 +306,14 @@ async def _merge(streams):
 class _Shape:
     """Builds the response objects of one API call (completion or chat, whole or chunked)."""
 
-    def __init__(self, rid, model, chat, tok, prompt_tokens):
+    def __init__(self, rid, model, chat, tok, prompt_tokens, echo=None, want_logprobs=False):
+        """echo: completions with echo, per choice (the prompt's text, its ids). want_logprobs: completions
+        asked for logprobs."""
         self.rid, self.model, self.chat, self.tok = rid, model, chat, tok
         self.created = int(time.time())
         self.prompt_tokens = prompt_tokens
+        self.echo, self.want_logprobs = echo, want_logprobs
+        self.offsets: dict[int, int] = {}        # streamed completions: each choice's text so far, in characters
 
     def obj(self, kind: str, choices: list, usage=None) -> dict:
         d = {"id": self.rid, "object": kind, "created": self.created, "model": self.model, "choices": choices}
@@ -264,11 +337,39 @@ class _Shape:
         return {"content": [{**entry(t, lp), "top_logprobs": [entry(i, v) for i, v in top]}
                             for t, (lp, top) in zip(token_ids, logprobs)]}
 
+    def text_logprobs(self, token_ids, logprobs, offset: int = 0) -> dict:
+        """Completions' (legacy) logprobs object: per token its text, log-probability and a dict of the
+        best alternatives (with the token itself, as vLLM gives it), None for a prompt's first token;
+        text_offset: where each token's text starts in the answer's text."""
+        d = {"tokens": [], "token_logprobs": [], "top_logprobs": [], "text_offset": []}
+        piece = lambda t: self.tok.decode_bytes([t]).decode("utf-8", errors="replace")   # noqa: E731
+        for t, e in zip(token_ids, logprobs):
+            text = piece(t)
+            d["tokens"].append(text)
+            d["text_offset"].append(offset)
+            offset += len(text)
+            d["token_logprobs"].append(None if e is None else e[0])
+            d["top_logprobs"].append(None if e is None else {piece(i): v for i, v in e[1]} | {text: e[0]})
+        return d
+
+    def _completion(self, index: int, out, text: str, token_ids, logprobs, first: bool) -> tuple[str, dict | None]:
+        """A completion choice's text and logprobs; with echo, the prompt's come first (in the first chunk)."""
+        prompt_text, prompt_ids = self.echo[index] if self.echo and first else ("", [])
+        if not self.want_logprobs:
+            return prompt_text + text, None
+        base = self.offsets.get(index, 0)
+        lp = self.text_logprobs(token_ids, logprobs or [], base + len(prompt_text))
+        if prompt_ids:
+            scored = self.text_logprobs(prompt_ids, out.prompt_logprobs, base)
+            lp = {k: scored[k] + lp[k] for k in lp}
+        return prompt_text + text, lp
+
     def choice(self, index: int, out) -> dict:
         if self.chat:
             return {"index": index, "message": {"role": "assistant", "content": out.text},
                     "logprobs": self.logprobs(out.token_ids, out.logprobs), "finish_reason": out.finish_reason}
-        return {"index": index, "text": out.text, "logprobs": None, "finish_reason": out.finish_reason}
+        text, lp = self._completion(index, out, out.text, out.token_ids, out.logprobs, first=True)
+        return {"index": index, "text": text, "logprobs": lp, "finish_reason": out.finish_reason}
 
     def delta(self, index: int, out, first: bool, token_ids: list[int], logprobs) -> dict:
         """A chunk's choice: the output's new text, with the tokens (and logprobs) since the last chunk."""
@@ -276,7 +377,9 @@ class _Shape:
         if self.chat:
             d = {"role": "assistant", "content": text} if first else ({"content": text} if text else {})
             return {"index": index, "delta": d, "logprobs": self.logprobs(token_ids, logprobs), "finish_reason": reason}
-        return {"index": index, "text": text, "logprobs": None, "finish_reason": reason}
+        text, lp = self._completion(index, out, text, token_ids, logprobs, first)
+        self.offsets[index] = self.offsets.get(index, 0) + len(text)
+        return {"index": index, "text": text, "logprobs": lp, "finish_reason": reason}
 
 
 def _failed(out) -> APIError | None:
@@ -314,13 +417,14 @@ async def _whole(request: Request, shape: _Shape, outs, index: dict) -> JSONResp
     return JSONResponse(shape.obj("chat.completion" if shape.chat else "text_completion", choices, usage))
 
 
-async def _sse(shape: _Shape, outs, index: dict, include_usage: bool):
-    """Server-sent events: a chunk per new piece of text, per choice; the usage chunk; [DONE]."""
+async def _sse(shape: _Shape, outs, index: dict, usage: str | None):
+    """Server-sent events: a chunk per new piece of text, per choice; the usage chunk; [DONE].
+    usage: None, "end" (include_usage: a last chunk with it) or "every" (continuous_usage_stats: the usage
+    so far in every chunk too)."""
     kind = "chat.completion.chunk" if shape.chat else "text_completion"
     started: set[str] = set()                      # request ids with a chunk sent
     held: dict[str, tuple[list, list]] = {}        # tokens (and logprobs) of outputs with no text to send yet
     completion_tokens = 0
-    extra = {"usage": None} if include_usage else {}
     try:
         async for out in outs:
             if (err := _failed(out)) is not None:
@@ -335,8 +439,9 @@ async def _sse(shape: _Shape, outs, index: dict, include_usage: bool):
                 continue
             choice = shape.delta(index[out.request_id], out, first, ids, lps if out.new_logprobs is not None else None)
             started.add(out.request_id)
+            extra = {"usage": shape.usage(completion_tokens) if usage == "every" else None} if usage else {}
             yield f"data: {json.dumps(shape.obj(kind, [choice]) | extra)}\n\n"
-        if include_usage:
+        if usage:
             yield f"data: {json.dumps(shape.obj(kind, [], shape.usage(completion_tokens)))}\n\n"
         yield "data: [DONE]\n\n"
     finally:

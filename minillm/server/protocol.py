@@ -1,23 +1,35 @@
 """The OpenAI API's request bodies (the fields minillm serves) and its error shape.
 
 Bodies are validated strictly: a field of the wrong type, or one the API does not have, is a 400
-that names it. Values are checked where the engine checks them (SamplingParams), so the messages
-are the same in Python, on the command line and over HTTP. Extensions beyond OpenAI's fields, as
-vLLM has them: top_k, min_p, ignore_eos.
+that names it. `null` for an optional field means its default, as in OpenAI's API. Values are
+checked where the engine checks them (SamplingParams), so the messages are the same in Python, on
+the command line and over HTTP. Extensions beyond OpenAI's fields, as vLLM has them: top_k, min_p,
+repetition_penalty, ignore_eos, stream_options.continuous_usage_stats, and the /tokenize and
+/detokenize bodies.
 """
 from __future__ import annotations
 
 from typing import Literal
 
-from pydantic import BaseModel, ConfigDict
+from pydantic import BaseModel, ConfigDict, model_validator
 
 
 class _Body(BaseModel):
     model_config = ConfigDict(extra="forbid", strict=True)
 
+    @model_validator(mode="before")
+    @classmethod
+    def _null_is_default(cls, data):
+        """OpenAI reads null as "not given": drop it for optional fields (unknown fields stay, refused)."""
+        if isinstance(data, dict):
+            fields = cls.model_fields
+            return {k: v for k, v in data.items() if v is not None or k not in fields or fields[k].is_required()}
+        return data
+
 
 class StreamOptions(_Body):
     include_usage: bool = False
+    continuous_usage_stats: bool = False         # extension (vLLM): usage so far in every chunk
 
 
 class _Sampling(_Body):
@@ -33,13 +45,17 @@ class _Sampling(_Body):
     stream: bool = False
     stream_options: StreamOptions | None = None
     ignore_eos: bool = False                     # extension: keep going past end-of-text (benchmarks)
-    frequency_penalty: float = 0.0               # accepted at 0 only: clients send the defaults
+    frequency_penalty: float = 0.0
     presence_penalty: float = 0.0
+    repetition_penalty: float = 1.0              # extension
+    logit_bias: dict[str, float] | None = None   # token id (as a string) -> bias in [-100, 100]
     user: str | None = None                      # accepted, not used
 
 
 class CompletionRequest(_Sampling):
     prompt: str | list[int] | list[str] | list[list[int]]
+    echo: bool = False                           # the prompt first in the answer (with logprobs: scored)
+    logprobs: int | None = None                  # log-probabilities of the tokens, with this many best
 
 
 class TextPart(_Body):
@@ -63,6 +79,21 @@ class ChatRequest(_Sampling):
     max_completion_tokens: int | None = None     # OpenAI's newer name for max_tokens
     logprobs: bool = False
     top_logprobs: int | None = None
+
+
+class TokenizeRequest(_Body):
+    """POST /tokenize (vLLM's shape): a text, or chat messages through the chat template."""
+    model: str | None = None
+    prompt: str | None = None
+    messages: list[Message] | None = None
+    add_special_tokens: bool = True              # accepted; the model's tokenizer adds none to a text
+    add_generation_prompt: bool = True
+    return_token_strs: bool = False
+
+
+class DetokenizeRequest(_Body):
+    model: str | None = None
+    tokens: list[int]
 
 
 class APIError(Exception):
