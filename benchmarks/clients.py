@@ -1,0 +1,262 @@
+"""minillm's server driven by the clients people use, each through its own front door: whichever of
+lm-eval, langchain-openai and guidellm are installed (this script installs nothing; a missing one is
+reported as skipped), and the openai client, which comes with minillm.
+
+    python benchmarks/clients.py [--json results/cpu_clients.json]
+
+It starts `python -m minillm serve` on a free loopback port and runs:
+
+- openai: chat (whole and streamed), a completion with echo + logprobs, models.retrieve;
+- lm-eval: `local-completions` with its remote tokenizer (/tokenizer_info, /tokenize) on a multiple-choice
+  task read from data/capitals_mc.jsonl (nothing is fetched from a hub); each answer's loglikelihood is
+  compared with the same sum computed from the model directly;
+- langchain-openai: `OpenAI` (completions) and `ChatOpenAI` invoke and stream, and its structured output
+  and tool binding;
+- guidellm: a short synchronous benchmark of streamed requests (its default request bodies), with a
+  tokenizer folder written from the model's GGUF file for its synthetic prompts.
+
+Each check prints `pass`, `FAIL` (with the error) or `skipped`; --json writes them all.
+"""
+from __future__ import annotations
+
+import argparse
+import json
+import shutil
+import subprocess
+import sys
+import tempfile
+import time
+from pathlib import Path
+
+ROOT = Path(__file__).resolve().parent.parent
+sys.path.insert(0, str(ROOT))
+
+NAME = "smol"
+TASK = ROOT / "data" / "capitals_mc.jsonl"
+
+
+def check(results: dict, client: str, name: str, fn) -> None:
+    t0 = time.perf_counter()
+    try:
+        detail = fn()
+        results.setdefault(client, {})[name] = {"ok": True, "detail": detail}
+        print(f"  pass  {client}: {name}" + (f"  ({detail})" if detail else ""), flush=True)
+    except Exception as e:  # noqa: BLE001  (a client's failure is the result being reported)
+        results.setdefault(client, {})[name] = {"ok": False, "error": f"{type(e).__name__}: {e}"[:500]}
+        print(f"  FAIL  {client}: {name}: {type(e).__name__}: {str(e)[:300]}", flush=True)
+    results[client][name]["seconds"] = round(time.perf_counter() - t0, 2)
+
+
+def installed(module: str) -> bool:
+    import importlib.util
+
+    return importlib.util.find_spec(module) is not None
+
+
+# ---------------------------------------------------------------- openai
+def openai_checks(url: str, results: dict) -> None:
+    import openai
+
+    c = openai.OpenAI(base_url=f"{url}/v1", api_key="unused", max_retries=0)
+    q = [{"role": "user", "content": "What is the capital of France?"}]
+    check(results, "openai", "chat", lambda: c.chat.completions.create(model=NAME, messages=q, max_tokens=12,
+                                                                       temperature=0).choices[0].message.content)
+    check(results, "openai", "chat stream", lambda: "".join(
+        ch.choices[0].delta.content or "" for ch in c.chat.completions.create(
+            model=NAME, messages=q, max_tokens=12, temperature=0, stream=True) if ch.choices))
+
+    def echo():
+        r = c.completions.create(model=NAME, prompt="The capital of France is", max_tokens=1, temperature=0,
+                                 echo=True, logprobs=1)
+        lp = r.choices[0].logprobs
+        assert lp.token_logprobs[0] is None and len(lp.tokens) == len(lp.token_logprobs)
+        return f"{len(lp.tokens)} tokens scored"
+    check(results, "openai", "completion echo + logprobs", echo)
+    check(results, "openai", "models.retrieve", lambda: c.models.retrieve(NAME).id)
+
+
+# ---------------------------------------------------------------- lm-eval
+TASK_YAML = """task: minillm_capitals
+dataset_path: json
+dataset_kwargs:
+  data_files:
+    test: {path}
+test_split: test
+output_type: multiple_choice
+doc_to_text: "Question: {{{{question}}}}\\nAnswer:"
+doc_to_choice: "{{{{choices}}}}"
+doc_to_target: "{{{{answer}}}}"
+metric_list:
+  - metric: acc
+"""
+
+
+def by_hand(model, tok, docs) -> list[list[float]]:
+    """Each choice's loglikelihood after its question, from the model's float32 logits."""
+    import torch
+
+    out = []
+    for d in docs:
+        ctx = tok.encode(f"Question: {d['question']}\nAnswer:")
+        row = []
+        for choice in d["choices"]:
+            cont = tok.encode(" " + choice)
+            with torch.inference_mode():
+                lp = torch.log_softmax(model(torch.tensor([ctx + cont]))[0].float(), dim=-1)
+            rows = lp[len(ctx) - 1:len(ctx) + len(cont) - 1]
+            row.append(float(rows[torch.arange(len(cont)), torch.tensor(cont)].sum()))
+        out.append(row)
+    return out
+
+
+def lm_eval_checks(url: str, results: dict, model, tok) -> None:
+    if not installed("lm_eval"):
+        results["lm-eval"] = "skipped: not installed (pip install lm-eval)"
+        print("  skipped  lm-eval (pip install lm-eval)")
+        return
+    import lm_eval
+    from lm_eval.tasks import TaskManager
+
+    docs = [json.loads(line) for line in TASK.read_text().splitlines()]
+
+    def mc():
+        with tempfile.TemporaryDirectory() as tmp:
+            (Path(tmp) / "minillm_capitals.yaml").write_text(TASK_YAML.format(path=TASK))
+            res = lm_eval.simple_evaluate(
+                model="local-completions", tasks=["minillm_capitals"], task_manager=TaskManager(include_path=tmp),
+                model_args=f"model={NAME},base_url={url}/v1/completions,tokenizer_backend=remote,num_concurrent=1",
+                log_samples=True)
+        samples = res["samples"]["minillm_capitals"]
+        want = by_hand(model, tok, docs)
+        worst = 0.0
+        for s in samples:
+            got = [r[0][0] for r in s["resps"]]
+            worst = max(worst, max(abs(a - b) for a, b in zip(got, want[s["doc_id"]])))
+        acc = res["results"]["minillm_capitals"]["acc,none"]
+        mine = sum(max(range(4), key=w.__getitem__) == d["answer"] for w, d in zip(want, docs)) / len(docs)
+        assert worst < 1e-3 and acc == mine, f"lm-eval acc {acc}, by hand {mine}; largest loglikelihood gap {worst}"
+        return f"acc {acc:.3f} on {len(docs)} questions, the same as by hand; loglikelihoods within {worst:.1e}"
+    check(results, "lm-eval", "multiple choice (loglikelihood, remote tokenizer)", mc)
+
+    def generate_until():
+        with tempfile.TemporaryDirectory() as tmp:
+            yaml = TASK_YAML.format(path=TASK).replace("output_type: multiple_choice", "output_type: generate_until")
+            yaml = yaml.replace('doc_to_choice: "{{choices}}"\n', "")
+            yaml = yaml.replace('doc_to_target: "{{answer}}"', 'doc_to_target: "{{choices[answer]}}"')
+            yaml = yaml.replace("  - metric: acc", "  - metric: exact_match")
+            yaml += "generation_kwargs:\n  until: [\"\\n\"]\n  max_gen_toks: 8\n"
+            (Path(tmp) / "minillm_capitals_gen.yaml").write_text(yaml.replace("task: minillm_capitals",
+                                                                             "task: minillm_capitals_gen"))
+            res = lm_eval.simple_evaluate(
+                model="local-completions", tasks=["minillm_capitals_gen"], task_manager=TaskManager(include_path=tmp),
+                model_args=f"model={NAME},base_url={url}/v1/completions,tokenizer_backend=remote,num_concurrent=1")
+        return f"exact match {res['results']['minillm_capitals_gen']['exact_match,none']:.3f}"
+    check(results, "lm-eval", "generate_until", generate_until)
+
+
+# ---------------------------------------------------------------- langchain-openai
+def langchain_checks(url: str, results: dict) -> None:
+    if not installed("langchain_openai"):
+        results["langchain-openai"] = "skipped: not installed (pip install langchain-openai)"
+        print("  skipped  langchain-openai (pip install langchain-openai)")
+        return
+    from langchain_openai import ChatOpenAI, OpenAI
+
+    kw = {"model": NAME, "base_url": f"{url}/v1", "api_key": "unused", "max_retries": 0}
+    llm, chat = OpenAI(max_tokens=12, temperature=0, **kw), ChatOpenAI(max_tokens=12, temperature=0, **kw)
+    L = "langchain-openai"
+    check(results, L, "OpenAI.invoke", lambda: llm.invoke("The capital of France is"))
+    check(results, L, "OpenAI.stream", lambda: "".join(llm.stream("The capital of France is")))
+    check(results, L, "ChatOpenAI.invoke", lambda: chat.invoke("What is the capital of France?").content)
+    check(results, L, "ChatOpenAI.stream", lambda: "".join(c.content for c in chat.stream("Capital of France?")))
+
+    schema = {"title": "City", "description": "a city", "type": "object",
+              "properties": {"name": {"type": "string"}, "country": {"type": "string"}}, "required": ["name", "country"]}
+    big = ChatOpenAI(max_tokens=64, temperature=0, **kw)
+    check(results, L, "with_structured_output (json_schema)",
+          lambda: big.with_structured_output(schema, method="json_schema").invoke("Name a city in France."))
+    check(results, L, "with_structured_output (function_calling)",
+          lambda: big.with_structured_output(schema, method="function_calling").invoke("Name a city in France."))
+    check(results, L, "bind_tools", lambda: big.bind_tools([schema]).invoke("Name a city in France.").tool_calls)
+
+
+# ---------------------------------------------------------------- guidellm
+def guidellm_checks(url: str, results: dict, tmp: Path) -> None:
+    exe = shutil.which("guidellm")
+    if exe is None:
+        results["guidellm"] = "skipped: not installed (pip install guidellm)"
+        print("  skipped  guidellm (pip install guidellm)")
+        return
+
+    def bench():
+        processor = tmp / "tokenizer"
+        write_tokenizer(processor)
+        out = tmp / "guidellm.json"
+        cmd = [exe, "benchmark", "--target", url, "--model", NAME, "--processor", str(processor),
+               "--data", "prompt_tokens=32,output_tokens=8", "--rate-type", "synchronous", "--max-requests", "6",
+               "--output-path", str(out)]
+        r = subprocess.run(cmd, capture_output=True, text=True, timeout=900)
+        assert r.returncode == 0, (r.stdout + r.stderr)[-1500:]
+        text = out.read_text()
+        report = json.loads(text)
+        counts = _guidellm_counts(report)
+        assert counts.get("errored", 0) == 0 and counts.get("successful", 0) > 0, counts
+        return f"requests {counts}"
+    check(results, "guidellm", "benchmark (synchronous, streamed)", bench)
+
+
+def _guidellm_counts(report) -> dict:
+    """successful / errored / incomplete request counts, wherever this version of guidellm puts them."""
+    found: dict = {}
+
+    def walk(x):
+        if isinstance(x, dict):
+            rt = x.get("request_totals") or x.get("requests_made")
+            if isinstance(rt, dict):
+                for k in ("successful", "errored", "incomplete"):
+                    if isinstance(rt.get(k), int):
+                        found[k] = found.get(k, 0) + rt[k]
+                return
+            for v in x.values():
+                walk(v)
+        elif isinstance(x, list):
+            for v in x:
+                walk(v)
+    walk(report)
+    return found
+
+
+def write_tokenizer(folder: Path) -> None:
+    """A Hugging Face tokenizer folder from the GGUF's vocabulary (guidellm counts tokens with one)."""
+    import transformers
+
+    from minillm.weights import find_model
+
+    path = find_model()
+    transformers.AutoTokenizer.from_pretrained(path.parent, gguf_file=path.name).save_pretrained(folder)
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    ap.add_argument("--json", default=None, help="write the results here")
+    args = ap.parse_args()
+
+    import minillm
+    from minillm.course.bench import machine_info, machine_label
+    from minillm.course.launch_server import ServerProcess
+
+    model, tok = minillm.load_model(), minillm.load_tokenizer()
+    results: dict = {"machine": machine_info()}
+    with tempfile.TemporaryDirectory() as tmp, \
+            ServerProcess.minillm(["--served-model-name", NAME, "--max-model-len", "2048"]) as srv:
+        print(f"minillm serve at {srv.url}; {machine_label(results['machine'])}")
+        openai_checks(srv.url, results)
+        lm_eval_checks(srv.url, results, model, tok)
+        langchain_checks(srv.url, results)
+        guidellm_checks(srv.url, results, Path(tmp))
+    if args.json:
+        Path(args.json).write_text(json.dumps(results, indent=1) + "\n")
+
+
+if __name__ == "__main__":
+    main()
