@@ -4,11 +4,15 @@ import os
 # Triton kernels (later stages) run on the CPU through the interpreter; it must be
 # switched on before anything imports triton.
 os.environ.setdefault("TRITON_INTERPRET", "1")
+# Under pytest-xdist (`-n 2`) two workers share the machine's cores: one thread each, passed on
+# to the servers, CLIs and notebook kernels they start, so the workers do not fight over a core.
+if os.environ.get("PYTEST_XDIST_WORKER"):
+    os.environ["OMP_NUM_THREADS"] = "1"
 
 import pytest  # noqa: E402
 import torch  # noqa: E402
 
-torch.set_num_threads(min(2, os.cpu_count() or 1))
+torch.set_num_threads(int(os.environ.get("OMP_NUM_THREADS", 0)) or min(2, os.cpu_count() or 1))
 
 TRITON_FILES = {"test_triton_flash.py", "test_triton_paged.py", "test_quant_triton.py"}
 TRITON_PARAMS = {"flash", "paged", "triton"}   # stages and attention backends that run Triton kernels

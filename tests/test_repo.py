@@ -49,3 +49,20 @@ def test_every_notebook_states_its_cost_and_ends_with_checked_exercises():
         assert len(stubs) >= 1 and len(answers) == len(stubs), nb.name
         assert all("passed = check_" in "".join(c["source"]) for c in answers), nb.name
         assert all("nbval-check-output" in c["metadata"].get("tags", []) for c in answers), nb.name
+
+
+def test_everything_the_notebooks_import_comes_with_the_course_install():
+    """`pip install -e .` (the README's course command) must bring every package a notebook imports."""
+    import sys
+    import tomllib
+
+    deps = tomllib.loads((ROOT / "pyproject.toml").read_text())["project"]["dependencies"]
+    installed = {re.split(r"[<>=!;\[ ]", d, maxsplit=1)[0].lower().replace("-", "_") for d in deps}
+    installed |= {"minillm", "ipywidgets", "IPython".lower()}        # (ipykernel comes with jupyterlab)
+    for nb in sorted((ROOT / "notebooks").glob("*.ipynb")):
+        for cell in json.loads(nb.read_text())["cells"]:
+            if cell["cell_type"] != "code":
+                continue
+            for top in re.findall(r"^\s*(?:from|import)\s+(\w+)", "".join(cell["source"]), re.M):
+                assert top in sys.stdlib_module_names or top.lower() in installed, \
+                    f"{nb.name} imports {top}, which `pip install -e .` does not install: add it to dependencies"

@@ -174,12 +174,16 @@ def test_flash_stage_gives_the_naive_greedy_tokens(model, tokenizer):
     assert "Paris" in flash.text
 
 
-def test_flash_stage_batch_of_different_lengths(model, tokenizer):
+def test_flash_stage_batch_of_different_lengths(tokenizer):
+    """Ragged prompts in one batch (the padding and per-sequence lengths): a tiny random model does."""
     from minillm.generate import generate_batch
     from minillm.sampling import SamplingParams
+    from test_paged_torch import tiny_model
 
-    prompts = [tokenizer.encode("The capital of France is"), tokenizer.encode("1, 2, 3,")]
-    params = SamplingParams(max_tokens=5, ignore_eos=True)
+    model = tiny_model()
+    g = torch.Generator().manual_seed(1)
+    prompts = [torch.randint(0, 300, (n,), generator=g).tolist() for n in (6, 3, 11)]
+    params = SamplingParams(max_tokens=8, ignore_eos=True)
     flash = generate_batch(model, tokenizer, prompts, params, stage="flash")
     naive = generate_batch(model, tokenizer, prompts, params, stage="naive")
     assert [o.token_ids for o in flash] == [o.token_ids for o in naive]
