@@ -12,8 +12,8 @@ It starts `python -m minillm serve` on a free loopback port and runs:
   compared with the same sum computed from the model directly;
 - langchain-openai: `OpenAI` (completions) and `ChatOpenAI` invoke and stream, and its structured output
   and tool binding;
-- guidellm: a short synchronous benchmark of streamed requests (its default request bodies), with a
-  tokenizer folder written from the model's GGUF file for its synthetic prompts.
+- guidellm (0.8, its `run` command): a short synchronous benchmark of streamed chat requests (its default
+  request bodies), with a tokenizer folder written from the model's GGUF file for its synthetic prompts.
 
 Each check prints `pass`, `FAIL` (with the error) or `skipped`; --json writes them all.
 """
@@ -182,7 +182,8 @@ def langchain_checks(url: str, results: dict) -> None:
 
 # ---------------------------------------------------------------- guidellm
 def guidellm_checks(url: str, results: dict, tmp: Path) -> None:
-    exe = shutil.which("guidellm")
+    beside = Path(sys.executable).parent / "guidellm"          # this Python's environment first, then PATH
+    exe = str(beside) if beside.exists() else shutil.which("guidellm")
     if exe is None:
         results["guidellm"] = "skipped: not installed (pip install guidellm)"
         print("  skipped  guidellm (pip install guidellm)")
@@ -191,18 +192,21 @@ def guidellm_checks(url: str, results: dict, tmp: Path) -> None:
     def bench():
         processor = tmp / "tokenizer"
         write_tokenizer(processor)
-        out = tmp / "guidellm.json"
-        cmd = [exe, "benchmark", "--target", url, "--model", NAME, "--processor", str(processor),
-               "--data", "prompt_tokens=32,output_tokens=8", "--rate-type", "synchronous", "--max-requests", "6",
-               "--output-path", str(out)]
-        r = subprocess.run(cmd, capture_output=True, text=True, timeout=900)
+        out, scenario = tmp / "guidellm.json", tmp / "scenario.json"
+        scenario.write_text(json.dumps({"spec": {      # guidellm 0.8's scenario file (its `run` command)
+            "backend": {"kind": "openai_http", "target": url, "model": NAME},
+            "profile": {"kind": "synchronous"},
+            "tokenizer": {"kind": "huggingface_auto", "model": str(processor)},
+            "data": [{"kind": "synthetic_text", "prompt_tokens": 32, "output_tokens": 8}],
+            "constraints": [{"kind": "max_requests", "count": 6}],
+            "outputs": [{"kind": "json", "path": str(out)}]}}))
+        r = subprocess.run([exe, "run", "-c", str(scenario), "--disable-console-interactive"], capture_output=True,
+                           text=True, timeout=900, cwd=tmp)
         assert r.returncode == 0, (r.stdout + r.stderr)[-1500:]
-        text = out.read_text()
-        report = json.loads(text)
-        counts = _guidellm_counts(report)
+        counts = _guidellm_counts(json.loads(out.read_text()))
         assert counts.get("errored", 0) == 0 and counts.get("successful", 0) > 0, counts
         return f"requests {counts}"
-    check(results, "guidellm", "benchmark (synchronous, streamed)", bench)
+    check(results, "guidellm", "run (synchronous, streamed chat)", bench)
 
 
 def _guidellm_counts(report) -> dict:
@@ -212,7 +216,7 @@ def _guidellm_counts(report) -> dict:
     def walk(x):
         if isinstance(x, dict):
             rt = x.get("request_totals") or x.get("requests_made")
-            if isinstance(rt, dict):
+            if isinstance(rt, dict) and not found:          # (both name the same requests: count once)
                 for k in ("successful", "errored", "incomplete"):
                     if isinstance(rt.get(k), int):
                         found[k] = found.get(k, 0) + rt[k]
