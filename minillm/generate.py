@@ -83,6 +83,8 @@ def stream(model, tokenizer, prompt_ids: list[int], params: SamplingParams | Non
     check_vocab(params, model.cfg.vocab_size)
     if params.max_tokens == 0 or params.prompt_logprobs is not None:
         raise ValueError("scoring a prompt (prompt_logprobs, max_tokens=0) is the engine's: use minillm.LLM")
+    if params.grammar is not None and stage != "continuous":
+        raise ValueError("structured output (a grammar) is the serving engine's: use stage 'continuous' or minillm.LLM")
     if speculative is not None and params.penalized:
         raise ValueError("penalties and logit_bias change each token's logits by the tokens before it, so "
                          "they are sampled one at a time: drop speculative, or the penalties")
@@ -169,6 +171,8 @@ def generate_batch(model, tokenizer, prompts: list[list[int]], params: SamplingP
     for p in prompts:
         check_prompt(p, max_len)
     check_vocab(params, model.cfg.vocab_size)
+    if params.grammar is not None:
+        raise ValueError("structured output (a grammar) is the serving engine's: use minillm.LLM")
     runner = make_runner(model, stage, min(max(map(len, prompts)) + params.max_tokens, max_len), kv_cache_dtype)
     gen = make_generator(params.seed)
     outs = [Generation(prompt_tokens=len(p), stage=stage) for p in prompts]

@@ -38,6 +38,7 @@ class SamplingParams:
     frequency_penalty: float = 0.0       # in [-2, 2]: subtracted per time a token was generated
     repetition_penalty: float = 1.0      # > 0; 1 is off: > 1 discourages every token seen (prompt and output)
     logit_bias: tuple[tuple[int, float], ...] = ()   # (token id, bias in [-100, 100]); a dict is accepted
+    grammar: str | None = None           # engine: the output follows this grammar (structured.py builds one)
 
     def __post_init__(self):
         if isinstance(self.stop, str):
@@ -73,6 +74,9 @@ class SamplingParams:
         for name, value, ok, allowed in checks:
             if not ok or value != value:  # value != value catches NaN
                 raise ValueError(f"{name} must be {allowed}; got {value!r}")
+        if self.grammar is not None and (not isinstance(self.grammar, str) or self.ignore_eos):
+            raise ValueError("grammar must be a grammar string (minillm.structured builds them), and a grammar ends "
+                             "its answer with an end token: it cannot be used with ignore_eos")
         if not all(isinstance(s, str) and s for s in self.stop):
             raise ValueError(f"stop must be a list of non-empty strings; got {self.stop!r}")
 
@@ -86,6 +90,12 @@ class SamplingParams:
         depends on the ones before it, and is sampled one at a time."""
         return bool(self.presence_penalty or self.frequency_penalty or self.repetition_penalty != 1
                     or self.logit_bias)
+
+    @property
+    def sequential(self) -> bool:
+        """Whether each token's logits depend on the tokens just before it (penalties, bias, a grammar):
+        then the engine samples it alone, with no drafts."""
+        return self.penalized or self.grammar is not None
 
 
 def check_vocab(params: SamplingParams, vocab: int) -> None:

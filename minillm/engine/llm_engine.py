@@ -27,6 +27,7 @@ from ..kv.manager import KVCacheManager
 from ..kv.prefix_cache import PrefixCachingPool
 from ..kv.quantized import check_kv_dtype
 from ..sampling import SamplingParams, check_vocab, penalize, sample_next_token
+from ..structured import Constraint, allocate_bitmask, bitmask_to_bool, fill_bitmasks
 from .request import Request, RequestOutput
 from .runner import ModelRunner
 from .scheduler import ScheduledBatch, Scheduler
@@ -161,7 +162,8 @@ class LLMEngine:
 
     def _new_request(self, request_id, prompt: list[int], params: SamplingParams, **fields) -> Request:
         detok = IncrementalDetokenizer(self.tokenizer, params, min(params.max_tokens, self.max_len - len(prompt)))
-        return Request(request_id, prompt, params, output=detok, **fields)
+        constraint = None if params.grammar is None else Constraint(params.grammar, self.tokenizer)
+        return Request(request_id, prompt, params, output=detok, constraint=constraint, **fields)
 
     def check_prompt(self, prompt_ids) -> list[int]:
         """The prompt as a list of ints, or ValueError saying what is wrong with it (the server asks first)."""
@@ -230,9 +232,14 @@ class LLMEngine:
         samples = batch.samples
         tokens: list[list[int]] = [[] for _ in samples]
         plain = [i for i, (r, _, m) in enumerate(samples) if m == 1]
-        # rows with penalties or a bias, changed (the logprobs are still the model's own, as vLLM's)
+        # rows with penalties, a bias or a grammar, changed (the logprobs are still the model's own, as vLLM's)
         changed = {i: penalize(logits[samples[i][1]], r.params, r.prompt_token_ids, r.output_token_ids)[None]
-                   for i in plain if (r := samples[i][0]).params.penalized}
+                   for i in plain if (r := samples[i][0]).params.sequential}
+        constrained = [i for i in plain if samples[i][0].constraint is not None]
+        if constrained:
+            allowed = self._grammar_masks([samples[i][0] for i in constrained], logits.device)   # (C, vocab)
+            for i, ok in zip(constrained, allowed):
+                changed[i] = changed[i].masked_fill(~ok, float("-inf"))
         greedy = [i for i in plain if samples[i][0].params.greedy and i not in changed]
         if greedy:
             rows = [samples[i][1] for i in greedy]
@@ -240,6 +247,8 @@ class LLMEngine:
                 tokens[i] = [t]
         for i in plain:
             r, row, _ = samples[i]
+            if r.finished:                                   # (no token the grammar allows)
+                continue
             if not r.params.greedy or i in changed:
                 try:
                     row_logits = changed[i] if i in changed else logits[row:row + 1]
@@ -247,12 +256,30 @@ class LLMEngine:
                 except RuntimeError as e:
                     r.error = f"sampling failed: {e}"
                     r.finish("error")
+        for i in constrained:
+            r = samples[i][0]
+            if tokens[i] and not r.constraint.accept(tokens[i][0]):
+                r.error = f"the grammar refused the token it allowed: {r.constraint.error}"
+                r.finish("error")
         for i, (r, row, m) in enumerate(samples):
             if m > 1:
                 tokens[i] = self.speculator.verify(r, logits[row:row + m])
         return [(new, None if r.logprobs is None else
                  [_logprobs(logits[row + j], t, r.params.logprobs) for j, t in enumerate(new)])
                 for new, (r, row, _) in zip(tokens, samples)]
+
+    def _grammar_masks(self, reqs: list[Request], device) -> torch.Tensor:
+        """(len(reqs), vocab) bool: the tokens each request's grammar allows next. A request whose
+        grammar allows nothing (its parser failed) ends with finish_reason "error"."""
+        vocab = self.model.cfg.vocab_size
+        bitmask = allocate_bitmask(len(reqs), vocab)                   # (R, ceil(vocab / 32)) int32
+        fill_bitmasks([r.constraint for r in reqs], bitmask)
+        allowed = bitmask_to_bool(bitmask.to(device), vocab)
+        for r, any_ok in zip(reqs, allowed.any(dim=-1).tolist()):
+            if not any_ok:
+                r.error = f"the grammar allows no next token: {r.constraint.error or 'its parser is stuck'}"
+                r.finish("error")
+        return allowed
 
     def _output(self, req: Request) -> RequestOutput:
         """What is new since the request's last output (tokens, showable text), and where it stands."""

@@ -62,6 +62,8 @@ class Request:
     logprobs: list[tuple[float, list[tuple[int, float]]]] | None = None
     # params.prompt_logprobs set: the same per prompt token, None for the first (nothing comes before it)
     prompt_logprobs: list[tuple[float, list[tuple[int, float]]] | None] | None = None
+    # params.grammar set: its parser state (structured.Constraint), which says what may come next
+    constraint: object | None = None
     # n > 1: the siblings (id, params) forked off this request once its prompt is computed
     forks: list[tuple[str, SamplingParams]] = field(default_factory=list)
 

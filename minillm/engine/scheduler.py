@@ -193,8 +193,8 @@ class Scheduler:
     def _spec_slots(self, req: Request, n: int, budget: int) -> int:
         """Room for drafts after a decoding request's sampled token: at most k, within the budget, the
         request's max_tokens and the context, and only while the pool has the blocks without preempting."""
-        if not self.num_speculative_tokens or n != 1 or not req.output_token_ids or req.params.penalized:
-            return 0                           # (penalties: each token's logits depend on the one before)
+        if not self.num_speculative_tokens or n != 1 or not req.output_token_ids or req.params.sequential:
+            return 0                           # (penalties, grammars: each token's logits depend on the one before)
         spec = min(self.num_speculative_tokens, budget - 1,
                    req.params.max_tokens - len(req.output_token_ids) - 1, self.max_len - req.num_tokens - 1)
         while spec > 0 and not self.kv.can_append(req, 1 + spec):
