@@ -28,7 +28,9 @@ from fastapi.responses import JSONResponse, Response, StreamingResponse
 from pydantic import ValidationError
 from starlette.exceptions import HTTPException as StarletteHTTPException
 
+from .. import structured
 from ..sampling import SamplingParams, check_vocab
+from . import tools as tool_calls
 from .async_engine import AsyncEngine, QueueFull
 from .protocol import (APIError, ChatRequest, CompletionRequest, DetokenizeRequest, TokenizeRequest,
                        validation_message)
@@ -91,8 +93,10 @@ class _API:
         except ValueError as e:
             raise APIError(400, str(e), "tokens") from None
 
-    def _chat_ids(self, messages, add_generation_prompt: bool = True) -> list[int]:
-        msgs = [{"role": "system" if m.role == "developer" else m.role, "content": m.text()} for m in messages]
+    def _chat_ids(self, messages, add_generation_prompt: bool = True, tools: list[dict] | None = None) -> list[int]:
+        msgs = [{"role": "system" if m.role == "developer" else m.role, "content": m.text(),
+                 "tool_calls": [c.model_dump() for c in m.tool_calls or ()]} for m in messages]
+        msgs = tool_calls.render_messages(msgs, tools)
         try:
             return self.tok.apply_chat_template(msgs, add_generation_prompt)
         except ValueError as e:
@@ -111,7 +115,44 @@ class _API:
         body = await _parse(request, ChatRequest)
         if not body.messages:
             raise APIError(400, "'messages' is empty: give at least one message", "messages")
-        return await self._run(request, body, [self._chat_ids(body.messages)], chat=True)
+        tools, choice = self._tools(body)
+        return await self._run(request, body, [self._chat_ids(body.messages, tools=tools if choice else None)],
+                               chat=True, grammar=self._grammar(body, tools, choice), tools=bool(choice))
+
+    @staticmethod
+    def _tools(body) -> tuple[list[dict] | None, str | None]:
+        """The functions offered, and which may be called: "auto", "required", a function's name, or None."""
+        tools = [t.function.model_dump(exclude_none=True) for t in body.tools] if body.tools else None
+        choice = body.tool_choice
+        if choice is not None and choice != "none" and not tools:
+            raise APIError(400, "'tool_choice' needs 'tools': give the functions the model may call", "tool_choice")
+        if tools and len({t["name"] for t in tools}) != len(tools):
+            raise APIError(400, "two tools have the same name: each function needs its own", "tools")
+        if not tools or choice == "none":
+            return tools, None
+        return tools, choice.function.name if hasattr(choice, "function") else choice or "auto"
+
+    @staticmethod
+    def _grammar(body, tools=None, choice=None) -> str | None:
+        """The grammar of the answer: response_format's JSON, tool calls (text or JSON beside them under
+        "auto"), or None for free text."""
+        rf = body.response_format
+        schema = None
+        if rf is not None and rf.type == "json_object":
+            schema = {"type": "object"}
+        elif rf is not None and rf.type == "json_schema":
+            if rf.json_schema is None:
+                raise APIError(400, "response_format 'json_schema' needs 'json_schema': {'name', 'schema'}",
+                               "response_format")
+            schema = rf.json_schema.schema_ if rf.json_schema.schema_ is not None else {"type": "object"}
+        try:
+            if choice is not None:
+                text = None if schema is None else \
+                    "%json " + json.dumps({"x-guidance": tool_calls._COMPACT, **schema})
+                return tool_calls.tools_grammar(tools, choice, body.parallel_tool_calls, text)
+            return None if schema is None else structured.json_schema_grammar(schema)
+        except ValueError as e:
+            raise APIError(400, str(e), "tools" if choice is not None else "response_format") from None
 
     # ------------------------------------------------------------ the work
     def _model_check(self, model: str) -> None:
@@ -119,7 +160,7 @@ class _API:
             raise APIError(404, f"the model '{model}' does not exist; this server has '{self.model_name}' "
                                 f"(GET /v1/models)", "model", "model_not_found")
 
-    def _params(self, body, prompt_len: int, chat: bool) -> SamplingParams:
+    def _params(self, body, prompt_len: int, chat: bool, grammar: str | None = None) -> SamplingParams:
         max_tokens = body.max_completion_tokens if chat and body.max_completion_tokens is not None else body.max_tokens
         limit = self.engine.max_len
         if prompt_len >= limit:
@@ -157,7 +198,7 @@ class _API:
                 max_tokens=limit - prompt_len if max_tokens is None else max_tokens, stop=body.stop or (),
                 seed=body.seed, ignore_eos=body.ignore_eos, logprobs=logprobs, prompt_logprobs=prompt_logprobs,
                 presence_penalty=body.presence_penalty, frequency_penalty=body.frequency_penalty,
-                repetition_penalty=body.repetition_penalty, logit_bias=bias)
+                repetition_penalty=body.repetition_penalty, logit_bias=bias, grammar=grammar)
             check_vocab(params, self.engine.model.cfg.vocab_size)
             return params
         except ValueError as e:
@@ -168,15 +209,18 @@ class _API:
                 msg = param + " " + msg.split(" ", 1)[1]
             raise APIError(400, msg, param) from None
 
-    async def _run(self, request: Request, body, prompts: list[list[int]], chat: bool, texts=None):
+    async def _run(self, request: Request, body, prompts: list[list[int]], chat: bool, texts=None,
+                   grammar: str | None = None, tools: bool = False):
         self._model_check(body.model)
+        if not chat:
+            grammar = self._grammar(body)
         if not prompts or not all(prompts):
             raise APIError(400, "the prompt is empty: give at least one token", "prompt")
         most = self.engine.scheduler.max_num_seqs
         if not 1 <= body.n * len(prompts) <= most:       # every choice is a sequence of its own
             raise APIError(400, f"'n' x prompts must be in [1, {most}] (the sequences the server runs at once); "
                                 f"got n={body.n} for {len(prompts)} prompt(s)", "n")
-        params = [self._params(body, len(p), chat) for p in prompts]
+        params = [self._params(body, len(p), chat, grammar) for p in prompts]
         for p in prompts:
             try:
                 self.engine.check_prompt(p)
@@ -195,7 +239,7 @@ class _API:
         if not chat and body.echo:           # per choice: the prompt's text and ids
             echo = [(t if t is not None else self.tok.decode(p), p) for p, t in zip(prompts, texts) for _ in range(body.n)]
         shape = _Shape(rid, self.model_name, chat, self.tok, sum(map(len, prompts)), echo,
-                       not chat and body.logprobs is not None)
+                       not chat and body.logprobs is not None, tools)
         if body.stream:
             opts = body.stream_options
             usage = "every" if opts and opts.continuous_usage_stats else "end" if opts and opts.include_usage else None
@@ -306,14 +350,16 @@ async def _merge(streams):
 class _Shape:
     """Builds the response objects of one API call (completion or chat, whole or chunked)."""
 
-    def __init__(self, rid, model, chat, tok, prompt_tokens, echo=None, want_logprobs=False):
+    def __init__(self, rid, model, chat, tok, prompt_tokens, echo=None, want_logprobs=False, tools=False):
         """echo: completions with echo, per choice (the prompt's text, its ids). want_logprobs: completions
-        asked for logprobs."""
+        asked for logprobs. tools: chat answers may be tool calls (tools.py), parsed into tool_calls."""
         self.rid, self.model, self.chat, self.tok = rid, model, chat, tok
         self.created = int(time.time())
         self.prompt_tokens = prompt_tokens
         self.echo, self.want_logprobs = echo, want_logprobs
         self.offsets: dict[int, int] = {}        # streamed completions: each choice's text so far, in characters
+        self.tools = tools
+        self.tool_streams: dict[int, tool_calls.ToolCallStream] = {}   # streamed chat with tools, per choice
 
     def obj(self, kind: str, choices: list, usage=None) -> dict:
         d = {"id": self.rid, "object": kind, "created": self.created, "model": self.model, "choices": choices}
@@ -366,20 +412,41 @@ class _Shape:
 
     def choice(self, index: int, out) -> dict:
         if self.chat:
-            return {"index": index, "message": {"role": "assistant", "content": out.text},
-                    "logprobs": self.logprobs(out.token_ids, out.logprobs), "finish_reason": out.finish_reason}
+            message, reason = {"role": "assistant", "content": out.text}, out.finish_reason
+            calls = tool_calls.parse_calls(out.text) if self.tools else None
+            if calls:
+                message, reason = {"role": "assistant", "content": None, "tool_calls": calls}, "tool_calls"
+            return {"index": index, "message": message, "logprobs": self.logprobs(out.token_ids, out.logprobs),
+                    "finish_reason": reason}
         text, lp = self._completion(index, out, out.text, out.token_ids, out.logprobs, first=True)
         return {"index": index, "text": text, "logprobs": lp, "finish_reason": out.finish_reason}
 
     def delta(self, index: int, out, first: bool, token_ids: list[int], logprobs) -> dict:
         """A chunk's choice: the output's new text, with the tokens (and logprobs) since the last chunk."""
         reason, text = out.finish_reason if out.finished else None, out.new_text
+        if self.chat and self.tools:
+            return self._tool_delta(index, out, first, token_ids, logprobs)
         if self.chat:
             d = {"role": "assistant", "content": text} if first else ({"content": text} if text else {})
             return {"index": index, "delta": d, "logprobs": self.logprobs(token_ids, logprobs), "finish_reason": reason}
         text, lp = self._completion(index, out, text, token_ids, logprobs, first)
         self.offsets[index] = self.offsets.get(index, 0) + len(text)
         return {"index": index, "text": text, "logprobs": lp, "finish_reason": reason}
+
+
+    def _tool_delta(self, index: int, out, first: bool, token_ids, logprobs) -> dict:
+        """A chat chunk's choice under tools: content as it comes, or each tool call once it is whole."""
+        stream = self.tool_streams.setdefault(index, tool_calls.ToolCallStream())
+        d = {"role": "assistant"} if first else {}
+        for part in stream.push(out.new_text, out.finished):
+            if "content" in part:
+                d["content"] = d.get("content", "") + part["content"]
+            else:
+                d.setdefault("tool_calls", []).extend(part["tool_calls"])
+        if first and "content" not in d and "tool_calls" not in d:
+            d["content"] = ""
+        reason = ("tool_calls" if stream.called else out.finish_reason) if out.finished else None
+        return {"index": index, "delta": d, "logprobs": self.logprobs(token_ids, logprobs), "finish_reason": reason}
 
 
 def _failed(out) -> APIError | None:
@@ -438,6 +505,9 @@ async def _sse(shape: _Shape, outs, index: dict, usage: str | None):
                 held[out.request_id] = (ids, lps)         # sent with the next chunk that has text
                 continue
             choice = shape.delta(index[out.request_id], out, first, ids, lps if out.new_logprobs is not None else None)
+            if shape.chat and not choice["delta"] and choice["finish_reason"] is None:
+                held[out.request_id] = (ids, lps)         # (a tool call not whole yet)
+                continue
             started.add(out.request_id)
             extra = {"usage": shape.usage(completion_tokens) if usage == "every" else None} if usage else {}
             yield f"data: {json.dumps(shape.obj(kind, [choice]) | extra)}\n\n"

@@ -1,7 +1,8 @@
 """The OpenAI API's request bodies (the fields minillm serves) and its error shape.
 
 Bodies are validated strictly: a field of the wrong type, or one the API does not have, is a 400
-that names it. `null` for an optional field means its default, as in OpenAI's API. Values are
+that names it. Structured output (response_format) and tools (tools, tool_choice, parallel_tool_calls,
+tool messages) are OpenAI's shapes; tools.py says how they reach the model. `null` for an optional field means its default, as in OpenAI's API. Values are
 checked where the engine checks them (SamplingParams), so the messages are the same in Python, on
 the command line and over HTTP. Extensions beyond OpenAI's fields, as vLLM has them: top_k, min_p,
 repetition_penalty, ignore_eos, stream_options.continuous_usage_stats, and the /tokenize and
@@ -11,7 +12,7 @@ from __future__ import annotations
 
 from typing import Literal
 
-from pydantic import BaseModel, ConfigDict, model_validator
+from pydantic import BaseModel, ConfigDict, Field, model_validator
 
 
 class _Body(BaseModel):
@@ -32,6 +33,20 @@ class StreamOptions(_Body):
     continuous_usage_stats: bool = False         # extension (vLLM): usage so far in every chunk
 
 
+class JsonSchemaFormat(_Body):
+    name: str = "response"
+    description: str | None = None
+    schema_: dict | None = Field(None, alias="schema")   # None: any JSON object
+    strict: bool | None = None                    # accepted: the answer always follows the schema here
+
+
+class ResponseFormat(_Body):
+    """{"type": "text"}, {"type": "json_object"} (any JSON object), or {"type": "json_schema",
+    "json_schema": {"name", "schema", "strict"}}: the answer is JSON that validates against the schema."""
+    type: Literal["text", "json_object", "json_schema"]
+    json_schema: JsonSchemaFormat | None = None
+
+
 class _Sampling(_Body):
     model: str
     max_tokens: int | None = None
@@ -50,6 +65,7 @@ class _Sampling(_Body):
     repetition_penalty: float = 1.0              # extension
     logit_bias: dict[str, float] | None = None   # token id (as a string) -> bias in [-100, 100]
     user: str | None = None                      # accepted, not used
+    response_format: ResponseFormat | None = None
 
 
 class CompletionRequest(_Sampling):
@@ -63,10 +79,24 @@ class TextPart(_Body):
     text: str
 
 
+class FunctionCall(_Body):
+    name: str
+    arguments: str                               # JSON text, as the model wrote it
+
+
+class ToolCall(_Body):
+    id: str
+    type: Literal["function"] = "function"
+    function: FunctionCall
+
+
 class Message(_Body):
-    role: str
+    role: str                                    # system, developer, user, assistant, tool
     content: str | list[TextPart] | None = None
     name: str | None = None
+    tool_calls: list[ToolCall] | None = None     # an assistant's calls, sent back with the tools' results
+    tool_call_id: str | None = None              # a tool message: the call it answers
+    refusal: str | None = None                   # accepted, not used
 
     def text(self) -> str:
         if isinstance(self.content, list):
@@ -74,11 +104,35 @@ class Message(_Body):
         return self.content or ""
 
 
+class FunctionDef(_Body):
+    name: str
+    description: str | None = None
+    parameters: dict | None = None               # a JSON schema of the arguments (None: no arguments)
+    strict: bool | None = None                   # accepted: the arguments always follow the schema here
+
+
+class Tool(_Body):
+    type: Literal["function"]
+    function: FunctionDef
+
+
+class _FunctionName(_Body):
+    name: str
+
+
+class NamedToolChoice(_Body):
+    type: Literal["function"]
+    function: _FunctionName
+
+
 class ChatRequest(_Sampling):
     messages: list[Message]
     max_completion_tokens: int | None = None     # OpenAI's newer name for max_tokens
     logprobs: bool = False
     top_logprobs: int | None = None
+    tools: list[Tool] | None = None
+    tool_choice: Literal["none", "auto", "required"] | NamedToolChoice | None = None   # None: auto with tools
+    parallel_tool_calls: bool = True
 
 
 class TokenizeRequest(_Body):
