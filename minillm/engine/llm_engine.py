@@ -27,7 +27,7 @@ from ..kv.manager import KVCacheManager
 from ..kv.prefix_cache import PrefixCachingPool
 from ..kv.quantized import check_kv_dtype
 from ..sampling import SamplingParams, check_vocab, penalize, sample_next_token
-from ..structured import Constraint, allocate_bitmask, bitmask_to_bool, fill_bitmasks
+from ..structured import Constraint, allocate_bitmask, fill_bitmasks, mask_bias
 from .request import Request, RequestOutput
 from .runner import ModelRunner
 from .scheduler import ScheduledBatch, Scheduler
@@ -237,9 +237,9 @@ class LLMEngine:
                    for i in plain if (r := samples[i][0]).params.sequential}
         constrained = [i for i in plain if samples[i][0].constraint is not None]
         if constrained:
-            allowed = self._grammar_masks([samples[i][0] for i in constrained], logits.device)   # (C, vocab)
-            for i, ok in zip(constrained, allowed):
-                changed[i] = changed[i].masked_fill(~ok, float("-inf"))
+            bias = self._grammar_masks([samples[i][0] for i in constrained], logits)   # (C, vocab): 0 or -inf
+            for k, i in enumerate(constrained):
+                changed[i] = changed[i] + bias[k]
         greedy = [i for i in plain if samples[i][0].params.greedy and i not in changed]
         if greedy:
             rows = [samples[i][1] for i in greedy]
@@ -268,18 +268,18 @@ class LLMEngine:
                  [_logprobs(logits[row + j], t, r.params.logprobs) for j, t in enumerate(new)])
                 for new, (r, row, _) in zip(tokens, samples)]
 
-    def _grammar_masks(self, reqs: list[Request], device) -> torch.Tensor:
-        """(len(reqs), vocab) bool: the tokens each request's grammar allows next. A request whose
-        grammar allows nothing (its parser failed) ends with finish_reason "error"."""
+    def _grammar_masks(self, reqs: list[Request], logits: torch.Tensor) -> torch.Tensor:
+        """(len(reqs), vocab) logit biases: 0 for the tokens each request's grammar allows next, -inf for
+        the rest. A request whose grammar allows nothing (its parser failed) ends with finish_reason "error"."""
         vocab = self.model.cfg.vocab_size
         bitmask = allocate_bitmask(len(reqs), vocab)                   # (R, ceil(vocab / 32)) int32
         fill_bitmasks([r.constraint for r in reqs], bitmask)
-        allowed = bitmask_to_bool(bitmask.to(device), vocab)
-        for r, any_ok in zip(reqs, allowed.any(dim=-1).tolist()):
+        bias = mask_bias(bitmask.to(logits.device), vocab, logits.dtype)
+        for r, any_ok in zip(reqs, bitmask.ne(0).any(dim=-1).tolist()):
             if not any_ok:
                 r.error = f"the grammar allows no next token: {r.constraint.error or 'its parser is stuck'}"
                 r.finish("error")
-        return allowed
+        return bias
 
     def _output(self, req: Request) -> RequestOutput:
         """What is new since the request's last output (tokens, showable text), and where it stands."""
