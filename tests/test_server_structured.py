@@ -9,7 +9,7 @@ import jsonschema
 import pytest
 
 from helpers.live_server import live_server
-from minillm.server.tools import ToolCallStream, parse_calls
+from minillm.server.tools import ToolCallStream, parse_calls, split_calls
 
 openai = pytest.importorskip("openai")
 MODEL = "smol"
@@ -113,6 +113,24 @@ def test_required_tool_calls_validate_and_stream_the_same(client):
     assert reasons[-1] == "tool_calls"
 
 
+def test_calls_cut_short_keep_the_whole_ones_streamed_or_not(client):
+    # allowed any number of calls, the small model calls again and again: max_tokens cuts one short
+    kw = dict(model=MODEL, messages=ASK, tools=[WEATHER], tool_choice="required", temperature=0, max_tokens=60)
+    r = client.chat.completions.create(**kw)
+    msg, reason = r.choices[0].message, r.choices[0].finish_reason
+    assert reason == "length" and msg.tool_calls, (reason, msg)
+    assert_valid_calls([c.model_dump() for c in msg.tool_calls])
+    assert msg.content.startswith("<tool_call>") and "</tool_call>" not in msg.content   # the unfinished one
+    calls, content, reasons = [], "", []
+    for chunk in client.chat.completions.create(**kw, stream=True):
+        d = chunk.choices[0].delta
+        calls += [(c.function.name, c.function.arguments) for c in d.tool_calls or ()]
+        content += d.content or ""
+        reasons.append(chunk.choices[0].finish_reason)
+    assert calls == [(c.function.name, c.function.arguments) for c in msg.tool_calls]
+    assert content == msg.content and reasons[-1] == "length"
+
+
 def test_a_named_function_one_call_and_none(url):
     named = chat(url, {"messages": ASK, "tools": [WEATHER, TIME], "max_tokens": 80, "parallel_tool_calls": False,
                        "tool_choice": {"type": "function", "function": {"name": "get_time"}}})["choices"][0]
@@ -198,5 +216,9 @@ def test_tool_call_stream_gives_the_whole_answers_calls_in_any_pieces():
         assert got == whole and s.called
     cut = ToolCallStream()
     assert cut.push(text[:30], False) == [] and cut.push(text[30:40], True) == [{"content": text[:40]}]
+    calls, tail = split_calls(text + "\n<tool_call>\n{\"na")
+    assert [c["function"]["name"] for c in calls] == ["get_time", "get_weather"] and tail == "\n<tool_call>\n{\"na"
+    after = ToolCallStream()
+    assert [list(d) for d in after.push(text + "\n<tool_call>\n{", True)] == [["tool_calls"], ["tool_calls"], ["content"]]
     plain = ToolCallStream()
     assert plain.push("Hi", False) == [{"content": "Hi"}] and parse_calls("Hi") is None

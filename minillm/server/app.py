@@ -413,9 +413,10 @@ class _Shape:
     def choice(self, index: int, out) -> dict:
         if self.chat:
             message, reason = {"role": "assistant", "content": out.text}, out.finish_reason
-            calls = tool_calls.parse_calls(out.text) if self.tools else None
-            if calls:
-                message, reason = {"role": "assistant", "content": None, "tool_calls": calls}, "tool_calls"
+            calls, rest = tool_calls.split_calls(out.text) if self.tools else ([], out.text)
+            if calls:                   # (cut short by max_tokens: the whole calls, the tail as content)
+                message = {"role": "assistant", "content": rest.strip("\n") or None, "tool_calls": calls}
+                reason = "length" if reason == "length" else "tool_calls"
             return {"index": index, "message": message, "logprobs": self.logprobs(out.token_ids, out.logprobs),
                     "finish_reason": reason}
         text, lp = self._completion(index, out, out.text, out.token_ids, out.logprobs, first=True)
@@ -445,7 +446,9 @@ class _Shape:
                 d.setdefault("tool_calls", []).extend(part["tool_calls"])
         if first and "content" not in d and "tool_calls" not in d:
             d["content"] = ""
-        reason = ("tool_calls" if stream.called else out.finish_reason) if out.finished else None
+        reason = out.finish_reason if out.finished else None
+        if reason and stream.called and reason != "length":
+            reason = "tool_calls"
         return {"index": index, "delta": d, "logprobs": self.logprobs(token_ids, logprobs), "finish_reason": reason}
 
 

@@ -104,23 +104,25 @@ def tools_grammar(tools: list[dict], choice: str | None, parallel: bool, text_gr
     return lark_grammar("\n".join(rules) + "\n")
 
 
-def parse_calls(text: str) -> list[dict] | None:
-    """An answer made of tool-call blocks -> OpenAI's tool_calls; None if it is not one (plain text,
-    or calls cut short by max_tokens)."""
-    if not text.startswith(CALL_OPEN):
-        return None
-    blocks = _CALL.findall(text)
-    if "\n".join(CALL_OPEN + b + CALL_CLOSE for b in blocks) != text.strip():
-        return None
-    calls = []
-    for b in blocks:
+def split_calls(text: str) -> tuple[list[dict], str]:
+    """An answer -> (its whole tool-call blocks at the start, as OpenAI's tool_calls; the text after them).
+    Plain text gives ([], text); calls cut short by max_tokens give the whole ones and the unfinished tail."""
+    calls, pos = [], 0
+    while m := _CALL.match(text, pos + (1 if calls and text.startswith("\n", pos) else 0)):
         try:
-            call = json.loads(b)
+            call = json.loads(m.group(1))
             calls.append({"id": f"call_{uuid.uuid4().hex[:24]}", "type": "function",
                           "function": {"name": call["name"], "arguments": schema_text(call["arguments"])}})
         except (ValueError, KeyError, TypeError):
-            return None
-    return calls
+            break
+        pos = m.end()
+    return calls, text[pos:]
+
+
+def parse_calls(text: str) -> list[dict] | None:
+    """An answer made only of tool-call blocks -> OpenAI's tool_calls; None if it is not one."""
+    calls, rest = split_calls(text)
+    return calls if calls and not rest.strip() else None
 
 
 class ToolCallStream:
@@ -149,7 +151,9 @@ class ToolCallStream:
             deltas.append({"tool_calls": [{"index": self.num_calls, **calls[0]}]})
             self.num_calls, self.sent = self.num_calls + 1, m.end()
         if (self.mode == "text" or finished) and len(self.text) > self.sent:
-            deltas.append({"content": self.text[self.sent:]})
+            tail = self.text[self.sent:].strip("\n") if self.called else self.text[self.sent:]
+            if tail:                     # (after whole calls: the one max_tokens cut short)
+                deltas.append({"content": tail})
             self.sent = len(self.text)
         return deltas
 
