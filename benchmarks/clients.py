@@ -177,7 +177,21 @@ def langchain_checks(url: str, results: dict) -> None:
           lambda: big.with_structured_output(schema, method="json_schema").invoke("Name a city in France."))
     check(results, L, "with_structured_output (function_calling)",
           lambda: big.with_structured_output(schema, method="function_calling").invoke("Name a city in France."))
-    check(results, L, "bind_tools", lambda: big.bind_tools([schema]).invoke("Name a city in France.").tool_calls)
+    check(results, L, "bind_tools (auto: a call or text)",
+          lambda: answer_or_calls(big.bind_tools([schema]).invoke("Name a city in France.")))
+    check(results, L, "bind_tools (tool_choice any)",
+          lambda: one_call(big.bind_tools([schema], tool_choice="any").invoke("Name a city in France."), "City"))
+
+
+def answer_or_calls(message) -> str:
+    return f"calls {message.tool_calls}" if message.tool_calls else f"text {message.content!r}"
+
+
+def one_call(message, name: str):
+    """The tool calls of a langchain AIMessage that must call `name` (an error otherwise)."""
+    if not message.tool_calls or any(c["name"] != name for c in message.tool_calls):
+        raise AssertionError(f"expected calls of {name}; got {message.tool_calls} and content {message.content!r}")
+    return message.tool_calls
 
 
 # ---------------------------------------------------------------- guidellm
