@@ -103,6 +103,11 @@ def test_kv_blocks_move_between_pools_and_land_in_free_blocks():
     assert stats["bytes"] == 2 * 2 * 3 * 4 * 1 * 8 * 4          # K and V, 2 layers, 3 blocks of 4, 1 head of 8, float32
 
 
+def test_a_transfer_into_a_full_pool_fails_cleanly_and_the_next_one_arrives():
+    failed = run_ranks(ranks.kv_send_into_a_full_pool, 2, timeout_s=60)
+    assert failed.startswith("no room for the K/V of sequence 7 (10 tokens)") and "recomputed" in failed
+
+
 def test_a_transfer_that_breaks_off_frees_its_blocks_and_says_so(tmp_path):
     report = tmp_path / "receiver.txt"
     with pytest.raises(RuntimeError, match="rank 1 of 2 died"):

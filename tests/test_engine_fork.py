@@ -51,6 +51,23 @@ def test_aborting_before_the_fork_ends_every_sample(model, tokenizer, prompt):
     assert engine.stats()["kv_blocks_used"] == 0
 
 
+@pytest.mark.parametrize("policy", ["continuous", "static"])
+def test_samples_never_run_more_sequences_than_max_num_seqs(model, tokenizer, policy):
+    """A request of n samples takes n of the max_num_seqs slots from its admission (its prompt runs as
+    one sequence, then forks): with 4 slots, n = 3 runs beside n = 1 but never beside n = 2."""
+    engine = LLMEngine(model, tokenizer, max_num_seqs=4, policy=policy, kv_cache_memory=64 << 20, verbose=False)
+    params = SamplingParams(max_tokens=3, ignore_eos=True)
+    for rid, n in (("a", 3), ("c", 1), ("b", 2), ("d", 3)):
+        engine.add_request(rid, tokenizer.encode(f"Request {rid} asks"), params, n=n)
+    most, finals = 0, {}
+    while engine.has_unfinished_requests():
+        for out in engine.step():
+            if out.finished:
+                finals[out.request_id] = out
+        most = max(most, sum(1 + len(r.forks) for r in engine.scheduler.running))
+    assert most == 4 and len(finals) == 9 and all(len(o.token_ids) == 3 for o in finals.values())
+
+
 def test_n_is_checked(model, tokenizer, prompt):
     engine = LLMEngine(model, tokenizer, max_num_seqs=4, kv_cache_memory=64 << 20, verbose=False)
     for n in (0, 5, 2.0):

@@ -96,6 +96,8 @@ def build_parser() -> argparse.ArgumentParser:
     se.add_argument("--no-prefix-caching", action="store_true", help="turn the prefix cache off")
     se.add_argument("--max-queued-requests", type=int, default=None,
                     help="answer 503 when this many requests are already waiting (default: no limit)")
+    se.add_argument("--max-tokens-default", type=int, default=1024,
+                    help="tokens a request without max_tokens may generate (default 1024; never past the context)")
     se.add_argument("--graceful-timeout", type=float, default=30.0,
                     help="seconds running answers get to finish on shutdown (default 30)")
     _add_model_args(se, stage=False)

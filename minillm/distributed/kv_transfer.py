@@ -10,7 +10,8 @@ sequence (anything with a `request_id`, e.g. `kv.manager.Sequence`).
 
 Only the blocks in use travel, and they land wherever this pool has free blocks: the receiver's block
 table is its own. A receive that fails midway (the sender died, the link timed out) frees what it took and
-raises TransferFailed, so the caller can recompute the request from its tokens instead of losing it.
+raises TransferFailed, so the caller can recompute the request from its tokens instead of losing it; so
+does a receive into a pool with no room for the sequence (it takes the K/V off the link and drops them).
 Float pools only; a quantized pool would send its codes and scales the same way.
 """
 from __future__ import annotations
@@ -21,6 +22,7 @@ import torch
 import torch.distributed as dist
 
 from ..kv import BlockPool, kv_cache_bytes
+from ..kv.paged import OutOfBlocks
 from ..kv.manager import KVCacheManager, Sequence
 
 
@@ -64,7 +66,12 @@ def recv_sequence(kv: KVCacheManager, seq, src: int, sender: str = "the sender")
         dist.recv(length, src)
     except RuntimeError as e:
         raise TransferFailed(f"no K/V header for sequence {seq.request_id} from rank {src}: {str(e).splitlines()[0]}") from None
-    kv.reserve(seq, int(length))                        # OutOfBlocks: the caller waits or recomputes
+    try:
+        kv.reserve(seq, int(length))
+    except OutOfBlocks as e:                            # no room: take the K/V off the link and drop it,
+        _drain(pool, -(-int(length) // pool.block_size), src)      # so the next transfer stays in step
+        raise TransferFailed(f"no room for the K/V of sequence {seq.request_id} ({int(length)} tokens): {e}; "
+                             f"it is recomputed") from None
     table = torch.tensor(kv.block_table(seq), dtype=torch.int64)
     got = 0
     try:
@@ -85,6 +92,16 @@ def recv_sequence(kv: KVCacheManager, seq, src: int, sender: str = "the sender")
         raise TransferFailed(f"K/V of sequence {seq.request_id} from rank {src} broke off after {got} bytes: "
                              f"{str(e).splitlines()[0]}") from None
     return {"bytes": got, "seconds": time.perf_counter() - t0, "length": int(length)}
+
+
+def _drain(pool, num_blocks: int, src: int) -> None:
+    """Receive a sequence's K and V from src into scratch memory and drop them."""
+    for cache in (pool.k, pool.v):
+        ok = torch.zeros(1, dtype=torch.int64)
+        dist.recv(ok, src)
+        if not int(ok):
+            return
+        dist.recv(torch.empty((cache.shape[0], num_blocks, *cache.shape[2:]), dtype=cache.dtype), src)
 
 
 def transfer_costs(rank: int, world: int, lengths: list[int], repeats: int = 5) -> dict | None:

@@ -215,14 +215,34 @@ class LLMEngine:
             self.speculator.propose(batch)                              # drafts after sampled tokens
         self.tokens_last_step = batch.total_tokens
         if batch.requests:
-            logits = self.runner.execute(batch)                         # (len(batch.logit_rows), vocab)
-            _score_prompts(batch, logits)
-            sampled = self._sample(batch, logits)
+            try:
+                logits = self.runner.execute(batch)                     # (len(batch.logit_rows), vocab)
+                _score_prompts(batch, logits)
+                sampled = self._sample(batch, logits)
+            except Exception as e:       # a fault in the model's step: its batch ends, the engine goes on
+                logger.exception("the model step failed; its %d requests end with an error", len(batch.requests))
+                return self._forget(outputs + self._fail(batch, e))
             for req in self.scheduler.update_from_output(batch, sampled):
                 self.requests.setdefault(req.request_id, req)           # (a sample forked off in this step)
                 outputs.append(self._output(req))
             self.num_steps += 1
         return self._forget(outputs)
+
+    def _fail(self, batch: ScheduledBatch, error: Exception) -> list[RequestOutput]:
+        """End every request of a step that raised, with finish_reason "error" and the exception (the
+        fault cannot be pinned on one of them); their blocks go back. The waiting requests go on."""
+        message = f"the model step failed: {type(error).__name__}: {error}"
+        outputs = []
+        for req in batch.requests:
+            if req.finished:
+                continue
+            self.scheduler.finish(req)
+            for r in [req, *req.forks]:              # (samples not forked yet end with it)
+                r.error = message
+                r.finish("error")
+                outputs.append(self._output(r))
+            req.forks = []
+        return outputs
 
     def _sample(self, batch: ScheduledBatch, logits: torch.Tensor) -> list[tuple[list[int], list | None]]:
         """For each of batch.samples: its new tokens (drafts verified: the accepted ones and one more)

@@ -170,7 +170,7 @@ class Scheduler:
                 continue
             break                                            # req itself was preempted: nobody after it runs
         if self.policy == "continuous" and not batch.preempted:
-            while self.waiting and budget > 0 and len(self.running) < self.max_num_seqs:
+            while self.waiting and budget > 0 and self._room_for(self.waiting[0]):
                 req = self.waiting[0]
                 cached = self.kv.computed_blocks(req)
                 n = self._tokens_for(req, budget, len(cached) * self.kv.block_size)
@@ -182,6 +182,12 @@ class Scheduler:
         return batch
 
     # ------------------------------------------------------------ helpers
+    def _room_for(self, req: Request) -> bool:
+        """Whether req fits under max_num_seqs, counting the samples each n > 1 request forks into once
+        its prompt is done (they run as sequences of their own)."""
+        running = sum(1 + len(r.forks) for r in self.running)
+        return running + 1 + len(req.forks) <= self.max_num_seqs
+
     def _tokens_for(self, req: Request, budget: int, cached: int | None = None) -> int:
         """Tokens `req` computes this step: all it has left, or (chunked prefill) what the budget allows.
         Without chunking a prompt goes whole or waits for a step with room for it."""
@@ -219,7 +225,7 @@ class Scheduler:
         """Static batching: take up to max_num_seqs requests from the queue whose whole
         prompts (and outputs so far) fit in the free blocks; they run until the last ends."""
         free = self.kv.num_free_blocks
-        while self.waiting and len(self.running) < self.max_num_seqs:
+        while self.waiting and self._room_for(self.waiting[0]):
             req = self.waiting[0]
             cached = self.kv.computed_blocks(req)
             need = self.kv.blocks_to_admit(req, cached, req.num_tokens - len(cached) * self.kv.block_size)

@@ -23,7 +23,7 @@ import time
 import uuid
 from contextlib import asynccontextmanager
 
-from fastapi import FastAPI, Request
+from fastapi import Depends, FastAPI, Request
 from fastapi.responses import JSONResponse, Response, StreamingResponse
 from pydantic import ValidationError
 from starlette.exceptions import HTTPException as StarletteHTTPException
@@ -36,13 +36,15 @@ from .protocol import (APIError, ChatRequest, CompletionRequest, DetokenizeReque
                        validation_message)
 
 MAX_BODY_BYTES = 1 << 20      # 1 MiB: far more than a full context of text or token ids
+MAX_TOKENS_DEFAULT = 1024     # a request without max_tokens stops here (--max-tokens-default), not at the context's end
 
 
 class _API:
     """The routes of one server: an engine in its thread, the name it serves, its tokenizer."""
 
-    def __init__(self, engine, aengine: AsyncEngine, model_name: str, metrics):
+    def __init__(self, engine, aengine: AsyncEngine, model_name: str, metrics, max_tokens_default: int):
         self.engine, self.aengine, self.model_name, self.metrics = engine, aengine, model_name, metrics
+        self.max_tokens_default = max_tokens_default
         self.tok = engine.tokenizer
 
     # ------------------------------------------------------------ simple routes
@@ -195,7 +197,8 @@ class _API:
         try:
             params = SamplingParams(
                 temperature=body.temperature, top_p=body.top_p, top_k=max(body.top_k, 0), min_p=body.min_p,
-                max_tokens=limit - prompt_len if max_tokens is None else max_tokens, stop=body.stop or (),
+                max_tokens=min(limit - prompt_len, self.max_tokens_default) if max_tokens is None else max_tokens,
+                stop=body.stop or (),
                 seed=body.seed, ignore_eos=body.ignore_eos, logprobs=logprobs, prompt_logprobs=prompt_logprobs,
                 presence_penalty=body.presence_penalty, frequency_penalty=body.frequency_penalty,
                 repetition_penalty=body.repetition_penalty, logit_bias=bias, grammar=grammar)
@@ -256,28 +259,33 @@ async def _http_error(request, e):
     return JSONResponse(APIError(e.status_code, msg).body(), status_code=e.status_code)
 
 
-def _key_check(api_key: str):
-    """Middleware: every route but /health needs 'Authorization: Bearer <api_key>'."""
-    async def check_key(request: Request, call_next):
-        if request.url.path != "/health":
-            given = request.headers.get("authorization", "")
-            if not secrets.compare_digest(given.encode(), f"Bearer {api_key}".encode()):
-                what = "a wrong API key" if given else "no API key"
-                e = APIError(401, f"{what}: send the header 'Authorization: Bearer <key>' with the server's "
-                                  f"--api-key", code="invalid_api_key")
-                return JSONResponse(e.body(), status_code=401)
-        return await call_next(request)
+def _key_check(api_key: str | None):
+    """A dependency of every route but /health: 'Authorization: Bearer <api_key>' when the server has a key,
+    compared in constant time. (A dependency, not an HTTP middleware: Starlette's middleware wraps the
+    connection's messages, and a handler behind it can miss the client's disconnect.)"""
+    want = f"Bearer {api_key}".encode() if api_key is not None else None
+
+    async def check_key(request: Request):
+        if want is None:
+            return
+        given = request.headers.get("authorization", "")
+        if not secrets.compare_digest(given.encode(), want):
+            what = "a wrong API key" if given else "no API key"
+            raise APIError(401, f"{what}: send the header 'Authorization: Bearer <key>' with the server's "
+                                f"--api-key", code="invalid_api_key")
     return check_key
 
 
 def create_app(engine, model_name: str, api_key: str | None = None, max_queued_requests: int | None = None,
-               metrics=None) -> FastAPI:
-    """engine: an LLMEngine (its thread starts with the app). metrics: a ServerMetrics, or None for a new one."""
+               metrics=None, max_tokens_default: int = MAX_TOKENS_DEFAULT) -> FastAPI:
+    """engine: an LLMEngine (its thread starts with the app). metrics: a ServerMetrics, or None for a new one.
+    max_tokens_default: the most tokens a request without max_tokens gets (one request cannot hold the
+    engine to the end of the context)."""
     from .metrics import ServerMetrics
 
     metrics = metrics or ServerMetrics(model_name)
     aengine = AsyncEngine(engine, metrics, max_queued_requests)
-    api = _API(engine, aengine, model_name, metrics)
+    api = _API(engine, aengine, model_name, metrics, max_tokens_default)
 
     @asynccontextmanager
     async def lifespan(app):
@@ -289,17 +297,16 @@ def create_app(engine, model_name: str, api_key: str | None = None, max_queued_r
     app.state.engine, app.state.metrics = aengine, metrics
     app.add_exception_handler(APIError, _api_error)
     app.add_exception_handler(StarletteHTTPException, _http_error)
-    if api_key is not None:
-        app.middleware("http")(_key_check(api_key))
     app.get("/health")(api.health)
-    app.get("/metrics")(api.get_metrics)
-    app.get("/v1/models")(api.models)
-    app.get("/v1/models/{model_id:path}")(api.model)
-    app.get("/tokenizer_info")(api.tokenizer_info)
-    app.post("/tokenize")(api.tokenize)
-    app.post("/detokenize")(api.detokenize)
-    app.post("/v1/completions")(api.completions)
-    app.post("/v1/chat/completions")(api.chat_completions)
+    keyed = {"dependencies": [Depends(_key_check(api_key))]}
+    app.get("/metrics", **keyed)(api.get_metrics)
+    app.get("/v1/models", **keyed)(api.models)
+    app.get("/v1/models/{model_id:path}", **keyed)(api.model)
+    app.get("/tokenizer_info", **keyed)(api.tokenizer_info)
+    app.post("/tokenize", **keyed)(api.tokenize)
+    app.post("/detokenize", **keyed)(api.detokenize)
+    app.post("/v1/completions", **keyed)(api.completions)
+    app.post("/v1/chat/completions", **keyed)(api.chat_completions)
     return app
 
 
@@ -454,7 +461,9 @@ class _Shape:
 
 def _failed(out) -> APIError | None:
     if out.finish_reason == "error":
-        return APIError(500 if out.error and out.error.startswith("sampling") else 400, out.error or "the request failed")
+        server_fault = out.error and out.error.startswith(("sampling failed", "the model step failed",
+                                                           "the engine stopped"))
+        return APIError(500 if server_fault else 400, out.error or "the request failed")
     return None
 
 
@@ -467,9 +476,9 @@ async def _whole(request: Request, shape: _Shape, outs, index: dict) -> JSONResp
             if out.finished:
                 final[out.request_id] = out
 
-    async def gone():
-        while not await request.is_disconnected():
-            await asyncio.sleep(0.25)
+    async def gone():                   # the ASGI server says http.disconnect when the client leaves
+        while (await request.receive())["type"] != "http.disconnect":
+            pass
 
     work, watch = asyncio.create_task(collect()), asyncio.create_task(gone())
     await asyncio.wait({work, watch}, return_when=asyncio.FIRST_COMPLETED)
@@ -522,10 +531,11 @@ async def _sse(shape: _Shape, outs, index: dict, usage: str | None):
 
 
 def serve(engine, model_name: str, host: str = "127.0.0.1", port: int = 8000, api_key: str | None = None,
-          max_queued_requests: int | None = None, graceful_timeout_s: float = 30.0, log_level: str = "info") -> None:
+          max_queued_requests: int | None = None, graceful_timeout_s: float = 30.0, log_level: str = "info",
+          max_tokens_default: int = MAX_TOKENS_DEFAULT) -> None:
     """Run the server until Ctrl-C / SIGTERM. On shutdown it stops taking connections, lets running
     answers finish for up to graceful_timeout_s, then aborts what is left and closes those streams."""
     import uvicorn
 
-    app = create_app(engine, model_name, api_key, max_queued_requests)
+    app = create_app(engine, model_name, api_key, max_queued_requests, max_tokens_default=max_tokens_default)
     uvicorn.run(app, host=host, port=port, log_level=log_level, timeout_graceful_shutdown=graceful_timeout_s)

@@ -73,10 +73,12 @@ class AsyncEngine:
             raise QueueFull(f"the server is busy: {self.num_waiting} requests are waiting "
                             f"(--max-queued-requests {self.max_queued_requests}); retry later")
 
-    async def generate(self, request_id: str, prompt_ids: list[int], params: SamplingParams,
-                       n: int = 1) -> AsyncIterator[RequestOutput]:
-        """Outputs of the request's n samples (ids request_id, request_id/1, ...) as they come,
-        until all are finished. Leaving the loop early (a client gone) aborts them all."""
+    def generate(self, request_id: str, prompt_ids: list[int], params: SamplingParams,
+                 n: int = 1) -> AsyncIterator[RequestOutput]:
+        """Queue the request now (it counts against --max-queued-requests from this call on, before
+        anything is read from it) and return its outputs, those of its n samples (ids request_id,
+        request_id/1, ...), as they come, until all are finished. Leaving the loop early (a client
+        gone) aborts them all."""
         ids = [request_id] + [f"{request_id}/{i}" for i in range(1, n)]
         q: asyncio.Queue = asyncio.Queue()
         loop = asyncio.get_running_loop()
@@ -85,6 +87,9 @@ class AsyncEngine:
         with self._pending_lock:
             self._pending_adds += 1
         self._send(("add", request_id, prompt_ids, params, n))
+        return self._outputs(request_id, ids, q)
+
+    async def _outputs(self, request_id: str, ids: list[str], q: asyncio.Queue) -> AsyncIterator[RequestOutput]:
         open_ids = set(ids)
         try:
             while open_ids:
@@ -126,9 +131,9 @@ class AsyncEngine:
                 self._deliver(out)
         except Exception:
             logger.exception("could not abort the remaining requests")
-        for rid in list(self._streams):
-            self._deliver(RequestOutput.failed(rid, [], "abort", "the server is shutting down" if self.error is None
-                                               else f"the engine stopped: {self.error!r}"))
+        for rid in list(self._streams):          # shutting down: aborted; the engine broken: an error (500)
+            self._deliver(RequestOutput.failed(rid, [], "abort", "the server is shutting down") if self.error is None
+                          else RequestOutput.failed(rid, [], "error", f"the engine stopped: {self.error!r}"))
 
     def _take_commands(self) -> None:
         while True:
@@ -153,7 +158,9 @@ class AsyncEngine:
         """Hand outputs to their streams: one wake-up of each event loop per step, not one per output."""
         by_loop: dict = {}
         for out in outs:
-            target = self._streams.get(out.request_id)
+            # a finished request's route is dropped here too: a stream that was never read (its client
+            # gone before the first byte) leaves nothing behind
+            target = self._streams.pop(out.request_id, None) if out.finished else self._streams.get(out.request_id)
             if target is not None:
                 by_loop.setdefault(target[0], []).append((target[1], out))
         for loop, items in by_loop.items():

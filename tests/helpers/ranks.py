@@ -58,6 +58,35 @@ def kv_send_then_receive(rank, world):
     return None
 
 
+def kv_send_into_a_full_pool(rank, world):
+    """Rank 1 sends sequence 7 (10 tokens: 3 blocks), then sequence 8 (4 tokens); rank 0 has 2 free blocks:
+    7 fails with TransferFailed, holding nothing, and 8 still arrives whole (the link stayed in step)."""
+    from minillm.distributed.kv_transfer import TransferFailed, recv_sequence, send_sequence
+    from minillm.kv.manager import KVCacheManager, Sequence
+
+    g = torch.Generator().manual_seed(0)
+    k, v = torch.randn(2, 10, 1, 8, generator=g), torch.randn(2, 10, 1, 8, generator=g)   # (layers, T, n_kv, hd)
+    if rank == 1:
+        pool = _pool(0, taken=1)
+        for rid, n in ((7, 10), (8, 4)):
+            slots = pool.allocate(rid, n)
+            for layer in range(2):
+                pool_io.write(pool, layer, slots, k[layer, :n], v[layer, :n])
+            send_sequence(KVCacheManager(pool), Sequence(rid), dst=0)
+        return None
+    pool = _pool(1, taken=14)                              # 2 of 16 blocks free
+    kv = KVCacheManager(pool)
+    try:
+        recv_sequence(kv, Sequence(7), src=1)
+        raise AssertionError("sequence 7 fit in 2 blocks")
+    except TransferFailed as e:
+        failed = str(e)
+    assert 7 not in pool.tables and pool.num_free_blocks == 2
+    recv_sequence(kv, Sequence(8), src=1)
+    assert all(torch.equal(pool_io.gather(pool, layer, 8)[0], k[layer, :4]) for layer in range(2))
+    return failed
+
+
 def kv_sender_dies_midway(rank, world, report):
     """Rank 1 sends the header of a sequence, then dies; rank 0, receiving, writes what happened to `report`."""
     from minillm.distributed.kv_transfer import TransferFailed, recv_sequence
