@@ -124,7 +124,8 @@ def repetition_penalty(logits: torch.Tensor, seen: torch.Tensor, penalty: float)
     token less likely for a penalty > 1)."""
     if penalty == 1:
         return logits
-    return torch.where(seen, torch.where(logits > 0, logits / penalty, logits * penalty), logits)
+    out = torch.where(seen, torch.where(logits > 0, logits / penalty, logits * penalty), logits)
+    return out.clamp(max=torch.finfo(out.dtype).max)     # a tiny penalty overflows a logit: the largest finite one
 
 
 def add_logit_bias(logits: torch.Tensor, bias: tuple[tuple[int, float], ...]) -> torch.Tensor:
@@ -153,8 +154,10 @@ def penalize(logits: torch.Tensor, params: SamplingParams, prompt_ids: list[int]
 
 
 def apply_temperature(logits: torch.Tensor, temperature: float) -> torch.Tensor:
-    """Divide by T: T < 1 sharpens the distribution, T > 1 flattens it."""
-    return logits / temperature
+    """Divide by T: T < 1 sharpens the distribution, T > 1 flattens it. The best logit is taken off first
+    (softmax does not change): then no T overflows to inf, and a tiny T tends to greedy, as it should (a T
+    below the dtype's smallest normal number is taken as that number, not rounded to 0)."""
+    return (logits - logits.amax(dim=-1, keepdim=True)) / max(temperature, torch.finfo(logits.dtype).tiny)
 
 
 def top_k_filter(logits: torch.Tensor, k: int) -> torch.Tensor:
@@ -174,7 +177,8 @@ def top_p_filter(logits: torch.Tensor, p: float) -> torch.Tensor:
     sorted_logits, order = torch.sort(logits, dim=-1, descending=True, stable=True)
     probs = torch.softmax(sorted_logits, dim=-1)
     mass_before = torch.cumsum(probs, dim=-1) - probs        # probability of the better tokens
-    drop_sorted = mass_before >= p                           # the best token has 0 before it: always kept
+    drop_sorted = mass_before >= p
+    drop_sorted[..., 0] = False                              # the best token is always kept (p below float32's 1e-45 included)
     drop = drop_sorted.scatter(-1, order, drop_sorted)       # back to vocabulary order
     return logits.masked_fill(drop, float("-inf"))
 

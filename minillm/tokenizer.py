@@ -79,6 +79,8 @@ class Tokenizer:
                                      mergeable_ranks=ranks, special_tokens=special_ranks)
         self.tokens = tokens
         self.vocab_size = len(tokens)
+        # the most bytes of text one token covers: a text of N bytes has at least N / this many tokens
+        self.max_token_bytes = max([*map(len, ranks), *(len(t.encode()) for t in self.special_tokens)])
         self.bos_id, self.eos_id, self.unk_id = bos_id, eos_id, unk_id
         self.im_start_id = self.special_tokens.get("<|im_start|>")
         self.im_end_id = self.special_tokens.get("<|im_end|>")
@@ -92,10 +94,10 @@ class Tokenizer:
         return self._rank_to_id[np.asarray(ranks, dtype=np.int64)].tolist()
 
     def decode_bytes(self, ids) -> bytes:
-        ids = np.asarray(list(ids), dtype=np.int64)
-        if ids.size and (ids.min() < 0 or ids.max() >= self.vocab_size):
-            raise ValueError(f"token ids must be in [0, {self.vocab_size}); got {ids.min()}..{ids.max()}")
-        return self.enc.decode_bytes(self._id_to_rank[ids].tolist())
+        ids = list(ids)
+        if ids and (min(ids) < 0 or max(ids) >= self.vocab_size):    # (checked as Python ints: any size)
+            raise ValueError(f"token ids must be in [0, {self.vocab_size}); got {min(ids)}..{max(ids)}")
+        return self.enc.decode_bytes(self._id_to_rank[np.asarray(ids, dtype=np.int64)].tolist())
 
     def decode(self, ids) -> str:
         """Model token ids -> text (invalid UTF-8 becomes U+FFFD, as in the reference)."""

@@ -134,3 +134,19 @@ def test_greedy_follows_the_penalized_logits():
     assert params.logit_bias == ((3, -100.0),) and params.penalized
     out = penalize(LOGITS, params, [], [])
     assert int(sample_next_token(out[None], params)[0]) == 0          # the best but banned 3 -> the next best
+
+
+@pytest.mark.parametrize("params", [
+    SamplingParams(temperature=1.0, top_p=2e-180),              # p below float32's smallest: the best token
+    SamplingParams(temperature=1e-300),                         # T that overflows logits / T
+    SamplingParams(temperature=1.0, repetition_penalty=1e-108),  # a penalty that overflows a seen logit
+])
+def test_extreme_but_allowed_values_still_give_a_distribution(params):
+    """Values inside every range the API allows (found by fuzzing the server): the draw is still from a
+    distribution (no inf or NaN), and a tiny T or p keeps only the best token."""
+    logits = torch.tensor([[1.0, 3.0, -2.0, 2.5]])
+    logits = penalize(logits[0], params, [1], [0]).unsqueeze(0)
+    probs = filtered_probs(logits, params)
+    assert torch.isfinite(probs).all() and torch.allclose(probs.sum(), torch.tensor(1.0))
+    if params.repetition_penalty == 1:
+        assert probs[0].argmax() == 1 and probs[0, 1] == 1
