@@ -33,7 +33,7 @@ from ..sampling import SamplingParams, check_vocab
 from . import tools as tool_calls
 from .async_engine import AsyncEngine, QueueFull
 from .protocol import (APIError, ChatRequest, CompletionRequest, DetokenizeRequest, TokenizeRequest,
-                       validation_message)
+                       openapi_bodies, validation_message)
 
 MAX_BODY_BYTES = 1 << 20      # 1 MiB: far more than a full context of text or token ids
 MAX_TOKENS_DEFAULT = 1024     # a request without max_tokens stops here (--max-tokens-default), not at the context's end
@@ -109,6 +109,7 @@ class _API:
         body = await _parse(request, CompletionRequest)
         prompts = body.prompt if isinstance(body.prompt, list) and body.prompt and \
             isinstance(body.prompt[0], (str, list)) else [body.prompt]
+        self._before_tokenizing(body, len(prompts), [p for p in prompts if isinstance(p, str)], "prompt")
         ids = [self.tok.encode(p) if isinstance(p, str) else p for p in prompts]
         texts = [p if isinstance(p, str) else None for p in prompts]     # echo: the prompt as it was sent
         return await self._run(request, body, ids, chat=False, texts=texts)
@@ -117,6 +118,7 @@ class _API:
         body = await _parse(request, ChatRequest)
         if not body.messages:
             raise APIError(400, "'messages' is empty: give at least one message", "messages")
+        self._before_tokenizing(body, 1, ["".join(m.text() for m in body.messages)], "messages")
         tools, choice = self._tools(body)
         return await self._run(request, body, [self._chat_ids(body.messages, tools=tools if choice else None)],
                                chat=True, grammar=self._grammar(body, tools, choice), tools=bool(choice))
@@ -157,6 +159,22 @@ class _API:
             raise APIError(400, str(e), "tools" if choice is not None else "response_format") from None
 
     # ------------------------------------------------------------ the work
+    def _before_tokenizing(self, body, num_prompts: int, texts: list[str], param: str) -> None:
+        """What can be refused before any text is tokenized: another model's name, too many sequences, and a
+        text too long for the context whatever its tokens (a token covers at most max_token_bytes bytes)."""
+        self._model_check(body.model)
+        most = self.engine.scheduler.max_num_seqs
+        if not 1 <= body.n * num_prompts <= most:       # every choice is a sequence of its own
+            raise APIError(400, f"'n' x prompts must be in [1, {most}] (the sequences the server runs at once); "
+                                f"got n={body.n} for {num_prompts} prompt(s)", "n")
+        limit, per_token = self.engine.max_len, self.tok.max_token_bytes
+        for text in texts:
+            size = len(text.encode("utf-8", errors="replace"))
+            if size > (limit - 1) * per_token:
+                raise APIError(400, f"this model's context is {limit} tokens and the {param} has {size} bytes of "
+                                    f"text, at least {-(-size // per_token)} tokens (a token covers at most "
+                                    f"{per_token} bytes); shorten it", param, "context_length_exceeded")
+
     def _model_check(self, model: str) -> None:
         if model != self.model_name:
             raise APIError(404, f"the model '{model}' does not exist; this server has '{self.model_name}' "
@@ -214,15 +232,10 @@ class _API:
 
     async def _run(self, request: Request, body, prompts: list[list[int]], chat: bool, texts=None,
                    grammar: str | None = None, tools: bool = False):
-        self._model_check(body.model)
         if not chat:
             grammar = self._grammar(body)
         if not prompts or not all(prompts):
             raise APIError(400, "the prompt is empty: give at least one token", "prompt")
-        most = self.engine.scheduler.max_num_seqs
-        if not 1 <= body.n * len(prompts) <= most:       # every choice is a sequence of its own
-            raise APIError(400, f"'n' x prompts must be in [1, {most}] (the sequences the server runs at once); "
-                                f"got n={body.n} for {len(prompts)} prompt(s)", "n")
         params = [self._params(body, len(p), chat, grammar) for p in prompts]
         for p in prompts:
             try:
@@ -303,10 +316,19 @@ def create_app(engine, model_name: str, api_key: str | None = None, max_queued_r
     app.get("/v1/models", **keyed)(api.models)
     app.get("/v1/models/{model_id:path}", **keyed)(api.model)
     app.get("/tokenizer_info", **keyed)(api.tokenizer_info)
-    app.post("/tokenize", **keyed)(api.tokenize)
-    app.post("/detokenize", **keyed)(api.detokenize)
-    app.post("/v1/completions", **keyed)(api.completions)
-    app.post("/v1/chat/completions", **keyed)(api.chat_completions)
+    bodies, components = openapi_bodies(TokenizeRequest, DetokenizeRequest, CompletionRequest, ChatRequest)
+    app.post("/tokenize", **keyed, openapi_extra=bodies[TokenizeRequest])(api.tokenize)
+    app.post("/detokenize", **keyed, openapi_extra=bodies[DetokenizeRequest])(api.detokenize)
+    app.post("/v1/completions", **keyed, openapi_extra=bodies[CompletionRequest])(api.completions)
+    app.post("/v1/chat/completions", **keyed, openapi_extra=bodies[ChatRequest])(api.chat_completions)
+    plain_openapi = app.openapi
+
+    def openapi():                      # the bodies' schemas beside the routes that name them
+        if app.openapi_schema is None:
+            schema = plain_openapi()
+            schema.setdefault("components", {}).setdefault("schemas", {}).update(components)
+        return app.openapi_schema
+    app.openapi = openapi
     return app
 
 

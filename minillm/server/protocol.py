@@ -13,6 +13,7 @@ from __future__ import annotations
 from typing import Literal
 
 from pydantic import BaseModel, ConfigDict, Field, model_validator
+from pydantic.json_schema import models_json_schema
 
 
 class _Body(BaseModel):
@@ -26,6 +27,12 @@ class _Body(BaseModel):
             fields = cls.model_fields
             return {k: v for k, v in data.items() if v is not None or k not in fields or fields[k].is_required()}
         return data
+
+
+def _range(default, **bounds):
+    """A field's allowed range, written into the OpenAPI schema for clients and fuzzers to read; the engine's
+    SamplingParams checks it (the same message in Python, on the command line and over HTTP)."""
+    return Field(default, json_schema_extra=bounds)
 
 
 class StreamOptions(_Body):
@@ -49,20 +56,20 @@ class ResponseFormat(_Body):
 
 class _Sampling(_Body):
     model: str
-    max_tokens: int | None = None
-    temperature: float = 1.0                     # OpenAI's default; 0 is greedy
-    top_p: float = 1.0
-    top_k: int = 0                               # extension: 0 (or -1) is off
-    min_p: float = 0.0                           # extension
+    max_tokens: int | None = _range(None, minimum=0)
+    temperature: float = _range(1.0, minimum=0, maximum=2)     # OpenAI's default; 0 is greedy
+    top_p: float = _range(1.0, exclusiveMinimum=0, maximum=1)
+    top_k: int = _range(0, minimum=-1)           # extension: 0 (or -1) is off
+    min_p: float = _range(0.0, minimum=0, maximum=1)           # extension
     seed: int | None = None
     stop: str | list[str] | None = None
-    n: int = 1
+    n: int = _range(1, minimum=1)
     stream: bool = False
     stream_options: StreamOptions | None = None
     ignore_eos: bool = False                     # extension: keep going past end-of-text (benchmarks)
-    frequency_penalty: float = 0.0
-    presence_penalty: float = 0.0
-    repetition_penalty: float = 1.0              # extension
+    frequency_penalty: float = _range(0.0, minimum=-2, maximum=2)
+    presence_penalty: float = _range(0.0, minimum=-2, maximum=2)
+    repetition_penalty: float = _range(1.0, exclusiveMinimum=0, maximum=10)     # extension
     logit_bias: dict[str, float] | None = None   # token id (as a string) -> bias in [-100, 100]
     user: str | None = None                      # accepted, not used
     response_format: ResponseFormat | None = None
@@ -71,7 +78,7 @@ class _Sampling(_Body):
 class CompletionRequest(_Sampling):
     prompt: str | list[int] | list[str] | list[list[int]]
     echo: bool = False                           # the prompt first in the answer (with logprobs: scored)
-    logprobs: int | None = None                  # log-probabilities of the tokens, with this many best
+    logprobs: int | None = _range(None, minimum=0, maximum=20)   # log-probabilities of the tokens, with this many best
 
 
 class TextPart(_Body):
@@ -91,7 +98,7 @@ class ToolCall(_Body):
 
 
 class Message(_Body):
-    role: str                                    # system, developer, user, assistant, tool
+    role: str = Field(json_schema_extra={"enum": ["system", "developer", "user", "assistant", "tool"]})
     content: str | list[TextPart] | None = None
     name: str | None = None
     tool_calls: list[ToolCall] | None = None     # an assistant's calls, sent back with the tools' results
@@ -126,10 +133,10 @@ class NamedToolChoice(_Body):
 
 
 class ChatRequest(_Sampling):
-    messages: list[Message]
-    max_completion_tokens: int | None = None     # OpenAI's newer name for max_tokens
+    messages: list[Message] = Field(json_schema_extra={"minItems": 1})
+    max_completion_tokens: int | None = _range(None, minimum=0)     # OpenAI's newer name for max_tokens
     logprobs: bool = False
-    top_logprobs: int | None = None
+    top_logprobs: int | None = _range(None, minimum=0, maximum=20)
     tools: list[Tool] | None = None
     tool_choice: Literal["none", "auto", "required"] | NamedToolChoice | None = None   # None: auto with tools
     parallel_tool_calls: bool = True
@@ -148,6 +155,16 @@ class TokenizeRequest(_Body):
 class DetokenizeRequest(_Body):
     model: str | None = None
     tokens: list[int]
+
+
+def openapi_bodies(*models) -> tuple[dict, dict]:
+    """The routes' request bodies for the OpenAPI document (/openapi.json, /docs): the routes read their
+    bodies themselves (for OpenAI's error shape and the size limit), so FastAPI cannot see them. Returns
+    {model: the route's openapi_extra} and the schemas they refer to, for components/schemas."""
+    refs, defs = models_json_schema([(m, "validation") for m in models], ref_template="#/components/schemas/{model}")
+    bodies = {m: {"requestBody": {"required": True, "content": {"application/json": {"schema": refs[m, "validation"]}}}}
+              for m in models}
+    return bodies, defs["$defs"]
 
 
 class APIError(Exception):
