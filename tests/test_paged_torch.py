@@ -97,14 +97,16 @@ def test_triton_backend_matches_reference(case):
     assert err < 1e-5, f"worst mismatch {err:.2e}"
 
 
-def tiny_model(seed=0):
+def tiny_model(seed=0, vocab_size=300):
+    """Two layers of width 32 with random weights. vocab_size=49152 (the course tokenizer's) makes a model
+    that answers any text the tokenizer writes: a fast stand-in behind a server."""
     from minillm.model import build_model
 
-    cfg = ModelConfig(n_layers=2, d_model=32, n_heads=4, n_kv_heads=2, head_dim=8, ffn_dim=64, vocab_size=300,
+    cfg = ModelConfig(n_layers=2, d_model=32, n_heads=4, n_kv_heads=2, head_dim=8, ffn_dim=64, vocab_size=vocab_size,
                       max_seq_len=256)
     g = torch.Generator().manual_seed(seed)
     w = lambda *shape: torch.randn(*shape, generator=g) * 0.3                      # noqa: E731
-    state = {"tok_emb.weight": w(300, 32), "norm.weight": torch.ones(32)}
+    state = {"tok_emb.weight": w(vocab_size, 32), "norm.weight": torch.ones(32)}
     for i in range(2):
         a, m = f"layers.{i}.attn.", f"layers.{i}.mlp."
         state.update({a + "wq.weight": w(32, 32), a + "wk.weight": w(16, 32), a + "wv.weight": w(16, 32),
