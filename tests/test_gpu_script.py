@@ -1,22 +1,16 @@
 """benchmarks/gpu.py, the one script that checks and measures the GPU path, run dry here: its device check,
 its parts at small sizes on the CPU (Triton interpreted, a small random model), and its error recording."""
-import importlib.util
-from pathlib import Path
-
 import pytest
 import torch
 
-pytestmark = pytest.mark.triton
+from helpers.benchmark_script import load_benchmark
 
-SCRIPT = Path(__file__).resolve().parent.parent / "benchmarks" / "gpu.py"
+pytestmark = pytest.mark.triton
 
 
 @pytest.fixture(scope="module")
 def gpu_script():
-    spec = importlib.util.spec_from_file_location("gpu_bench", SCRIPT)
-    module = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(module)
-    return module
+    return load_benchmark("gpu")
 
 
 def test_a_dry_run_checks_every_part_against_its_reference(gpu_script, monkeypatch):

@@ -2,26 +2,20 @@
 to run: benchmarks/server_abuse.py's drivers, small and seeded, against a server in this process. The model
 behind it is a tiny random one with the course tokenizer's vocabulary (any text is a valid prompt, a step
 takes a millisecond): what is tested is the HTTP layer, the scheduler and the pool, not the model."""
-import importlib.util
-from pathlib import Path
-
 import httpx
 import pytest
 
+from helpers.benchmark_script import load_benchmark
 from helpers.live_server import live_server
 from test_paged_torch import tiny_model
 
 pytest.importorskip("schemathesis")
-SCRIPT = Path(__file__).resolve().parent.parent / "benchmarks" / "server_abuse.py"
 MODEL = "smol"
 
 
 @pytest.fixture(scope="module")
 def abuse():
-    spec = importlib.util.spec_from_file_location("server_abuse", SCRIPT)
-    module = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(module)
-    return module
+    return load_benchmark("server_abuse")
 
 
 @pytest.fixture(scope="module")
