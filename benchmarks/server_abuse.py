@@ -389,6 +389,8 @@ def plot_soak(result: dict, machine: str, path: Path) -> None:
     lat.set_title(f"Soak at {result['offered_req_per_s']:.2f} req/s ({result['offered_req_per_s'] / result['saturation_req_per_s']:.0%}"
                   f" of saturation), {result['requests']} requests\n{machine}", fontsize=9)
     mem.plot([x / 60 for x, _ in result["rss_series"]], [m for _, m in result["rss_series"]], "-", color="gray")
+    mem.set_ylim(0, 1.15 * max(m for _, m in result["rss_series"]))
+    mem.ticklabel_format(axis="y", useOffset=False)
     mem.set_ylabel("server RSS (MiB)")
     mem.set_xlabel("minutes")
     fig.tight_layout()
@@ -423,7 +425,7 @@ def main() -> None:
             results["fuzz"]["seconds"] = round(time.perf_counter() - t0, 1)
             bar.close()
         print(json.dumps({k: v for k, v in results["fuzz"].items() if k != "by_case"}, indent=1))
-    if "overload" in args.parts:     # a pool of 0.012 GiB: 16 blocks of 16 tokens, a handful of requests
+    if "overload" in args.parts:     # a pool of 0.012 GiB: 17 blocks of 16 tokens, a handful of requests
         with ServerProcess.minillm(["--served-model-name", name, "--max-num-seqs", "16", "--max-queued-requests",
                                     "64", "--kv-cache-memory", "0.012"]) as srv:
             results["overload"] = overload(srv.url, name, _questions()[:8], args.requests, max_tokens=32)
