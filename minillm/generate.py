@@ -66,12 +66,15 @@ def check_prompt(prompt_ids: list[int], max_seq_len: int) -> None:
 def stream(model, tokenizer, prompt_ids: list[int], params: SamplingParams | None = None,
            stage: str = "naive", result: Generation | None = None,
            speculative=None, num_speculative_tokens: int = 4, runner=None,
-           kv_cache_dtype: str | None = None, enforce_eager: bool = False) -> Iterator[str]:
+           kv_cache_dtype: str | None = None, enforce_eager: bool = False,
+           adaptive_speculation: bool = False) -> Iterator[str]:
     """Generate, yielding text as it is decoded (never half a character, never part of a stop string).
 
     Pass a `Generation` as `result` to receive the token ids and timings as they happen.
     speculative: a proposer ('ngram', 'layers:N' or a `speculative.Proposer`) drafting
     num_speculative_tokens tokens per step for the model to verify (stage 6, `speculative/`).
+    adaptive_speculation: draft 0..num_speculative_tokens tokens per step, as the sequence's own acceptance
+    and the measured cost of a pass make worthwhile (`speculative/adaptive.py`).
     runner: run on this runner instead of a new one of the stage (rank 0 of a tensor-parallel run passes
     one that also drives the other ranks, `distributed/leader.py`).
     kv_cache_dtype: None (the model's dtype), "int8" or "int4": how the stage's cache stores K/V.
@@ -88,6 +91,11 @@ def stream(model, tokenizer, prompt_ids: list[int], params: SamplingParams | Non
     if speculative is not None and params.penalized:
         raise ValueError("penalties and logit_bias change each token's logits by the tokens before it, so "
                          "they are sampled one at a time: drop speculative, or the penalties")
+    if adaptive_speculation and (speculative is None or stage == "continuous"):
+        raise ValueError("adaptive_speculation chooses how many tokens a speculative proposer drafts, in the "
+                         "single-stream loop (stages kv, flash, paged): give speculative=, and a stage of those"
+                         if speculative is None else "adaptive_speculation runs in the single-stream loop (stages "
+                         "kv, flash, paged); the serving engine drafts num_speculative_tokens per step")
     if stage == "continuous":
         yield from _stream_engine(model, tokenizer, prompt_ids, params, result, speculative, num_speculative_tokens,
                                   kv_cache_dtype, enforce_eager)
@@ -100,7 +108,7 @@ def stream(model, tokenizer, prompt_ids: list[int], params: SamplingParams | Non
         from .speculative.decode import speculative_decode
 
         yield from speculative_decode(model, prompt_ids, params, stage, speculative, num_speculative_tokens,
-                                      detok, out, kv_cache_dtype)
+                                      detok, out, kv_cache_dtype, adaptive_speculation)
         return
     if runner is None:
         runner = make_runner(model, stage, min(len(prompt_ids) + params.max_tokens, max_len), kv_cache_dtype,
@@ -152,12 +160,14 @@ def _stream_engine(model, tokenizer, prompt_ids, params, result, speculative=Non
 
 def generate(model, tokenizer, prompt_ids: list[int], params: SamplingParams | None = None,
              stage: str = "naive", speculative=None, num_speculative_tokens: int = 4, runner=None,
-             kv_cache_dtype: str | None = None, enforce_eager: bool = False) -> Generation:
+             kv_cache_dtype: str | None = None, enforce_eager: bool = False,
+             adaptive_speculation: bool = False) -> Generation:
     """Generate to the end and return the ids, text and timings (and, with `speculative`, its counters)."""
     out = Generation(prompt_tokens=len(prompt_ids))
     for _ in stream(model, tokenizer, prompt_ids, params, stage, result=out,
                     speculative=speculative, num_speculative_tokens=num_speculative_tokens, runner=runner,
-                    kv_cache_dtype=kv_cache_dtype, enforce_eager=enforce_eager):
+                    kv_cache_dtype=kv_cache_dtype, enforce_eager=enforce_eager,
+                    adaptive_speculation=adaptive_speculation):
         pass
     return out
 

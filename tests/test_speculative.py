@@ -158,3 +158,48 @@ def test_bad_speculative_settings(model, tokenizer, refs):
             generate(model, tokenizer, ids, SamplingParams(max_tokens=4), stage=stage,
                      speculative=spec, num_speculative_tokens=k)
     assert NgramProposer().name == "ngram[1-4]" and LayerSkipProposer(3).name == "layers:3"
+
+
+@pytest.mark.parametrize("proposer, k", [("ngram", 4), ("layers:20", 3), ("draft", 4)])
+def test_adaptive_speculation_gives_the_same_greedy_output(model, tokenizer, refs, proposer, k):
+    """Each step drafts 0..k tokens as the sequence's acceptance and the measured pass costs say; what is
+    emitted is the plain answer whatever is chosen. Costs are given here so the run drafts: passes over 2..k+1
+    tokens as cheap as one (a GPU's picture), and the answer copies its prompt; then with the costs measured
+    on this machine, whatever they say."""
+    ids, ref = refs["passage"]
+    spec = DraftModelProposer(model) if proposer == "draft" else proposer
+    free = {T: 1.0 for T in range(1, k + 2)}
+    from minillm.speculative.decode import speculative_decode
+    from minillm.detokenizer import IncrementalDetokenizer
+    from minillm.generate import Generation
+
+    params = SamplingParams(max_tokens=40)
+    out = Generation(prompt_tokens=len(ids))
+    detok = IncrementalDetokenizer(tokenizer, params, 40)
+    out.token_ids = detok.token_ids
+    list(speculative_decode(model, ids, params, "kv", spec, k, detok, out, adaptive=True, pass_cost=free))
+    assert out.token_ids == ref.token_ids and out.text == ref.text
+    if proposer == "draft":                 # a draft as costly as the target never pays: plain decoding
+        assert out.spec_drafts == 0
+    else:
+        assert out.spec_drafts > 0
+    g = generate(model, tokenizer, ids, params, stage="kv", speculative=spec, num_speculative_tokens=k,
+                 adaptive_speculation=True)                 # costs measured on this machine
+    assert g.token_ids == ref.token_ids
+
+
+def test_adaptive_sampled_run_is_seeded(model, tokenizer, refs):
+    ids, _ = refs["question"]
+    params = SamplingParams(max_tokens=24, temperature=0.8, seed=7)
+    a, b = (generate(model, tokenizer, ids, params, stage="kv", speculative="ngram", num_speculative_tokens=4,
+                     adaptive_speculation=True) for _ in range(2))
+    assert a.token_ids == b.token_ids
+
+
+def test_adaptive_speculation_is_the_single_streams(model, tokenizer, refs):
+    ids, _ = refs["question"]
+    with pytest.raises(ValueError, match="single-stream"):
+        generate(model, tokenizer, ids, SamplingParams(max_tokens=4), stage="continuous", speculative="ngram",
+                 adaptive_speculation=True)
+    with pytest.raises(ValueError, match="speculative"):
+        generate(model, tokenizer, ids, SamplingParams(max_tokens=4), stage="kv", adaptive_speculation=True)

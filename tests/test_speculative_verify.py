@@ -107,3 +107,24 @@ def test_predicted_speedup():
     assert predicted_speedup(0.0, 4, 0.0) == 1.0                # nothing accepted, free drafts: no change
     assert predicted_speedup(1.0, 4, 0.0) == 5.0
     assert predicted_speedup(0.5, 1, 0.5) == pytest.approx(1.5 / 1.5)
+
+
+def test_adaptive_k_drafts_only_where_it_pays():
+    from minillm.speculative.adaptive import AdaptiveK
+
+    cpu = {1: 1.0, 2: 1.6, 3: 1.8, 4: 1.2, 5: 1.2}          # as measured on one CPU: 2-3 rows cost more than 4
+    ctl = AdaptiveK(4, cpu, prior=0.5)
+    assert ctl.choose() == 4 and ctl.choose(room=2) == 0      # at alpha 0.5: all four; one or two cost more
+    assert ctl.keep(2) == 0 and ctl.keep(3) == 3              # fewer found: verify only if that pays
+    for _ in range(6):
+        ctl.update(4, 0)                                      # every first draft rejected
+    assert ctl.alpha < 0.1 and ctl.choose() == 0
+    steps = [ctl.choose() for _ in range(8)]                  # plain steps, and a probe every 4th
+    assert steps.count(0) == 6 and ctl.probing is False and max(steps) == 4
+    ctl.update(4, 4)
+    ctl.update(4, 4)
+    assert ctl.alpha > 0.5 and ctl.choose() == 4
+    costly = AdaptiveK(3, {1: 1.0, 2: 1.5, 3: 1.8, 4: 1.2}, draft_cost=0.8, prior=0.0)
+    assert [costly.choose() for _ in range(20)] == [0] * 20   # would not pay even at alpha 0.9: never probed
+    with pytest.raises(ValueError, match="missing"):
+        AdaptiveK(4, {1: 1.0, 2: 1.1})

@@ -40,7 +40,7 @@ def cmd_chat(args) -> None:
         try:
             for piece in stream(model, tok, ids, params, args.stage, speculative=args.speculative,
                                 num_speculative_tokens=args.num_speculative_tokens,
-                                kv_cache_dtype=args.kv_cache_dtype):
+                                kv_cache_dtype=args.kv_cache_dtype, adaptive_speculation=args.adaptive_speculation):
                 reply.append(piece)
                 print(piece, end="", flush=True)
         except KeyboardInterrupt:

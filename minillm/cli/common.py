@@ -46,6 +46,9 @@ def load(args):
 
 
 def check_speculative(args) -> None:
+    if getattr(args, "adaptive_speculation", False) and (args.speculative is None or args.stage == "continuous"):
+        fail("--adaptive-speculation chooses how many tokens --speculative drafts, in the single-stream stages "
+             "(kv, flash, paged)")
     if args.speculative is None:
         return
     from ..speculative import make_proposer

@@ -22,7 +22,7 @@ def cmd_generate(args) -> None:
     try:
         for piece in stream(model, tok, ids, params, args.stage, result=result, speculative=args.speculative,
                             num_speculative_tokens=args.num_speculative_tokens, kv_cache_dtype=args.kv_cache_dtype,
-                            enforce_eager=args.enforce_eager):
+                            enforce_eager=args.enforce_eager, adaptive_speculation=args.adaptive_speculation):
             if not args.json:
                 print(piece, end="", flush=True)
     except ValueError as e:          # e.g. a draft with more layers than the model has
@@ -30,6 +30,7 @@ def cmd_generate(args) -> None:
     spec = {}
     if args.speculative is not None:
         spec = {"speculative": args.speculative, "num_speculative_tokens": args.num_speculative_tokens,
+                "adaptive_speculation": args.adaptive_speculation,
                 "acceptance_rate": result.acceptance_rate, "mean_accepted_tokens": result.mean_accepted_tokens,
                 "spec_drafts": result.spec_drafts, "spec_draft_tokens": result.spec_draft_tokens,
                 "spec_accepted_tokens": result.spec_accepted_tokens}

@@ -18,14 +18,18 @@ from typing import Iterator
 
 from ..stages import make_runner
 from ..sampling import SamplingParams, make_generator, sample_next_token
+from .adaptive import AdaptiveK, measure_pass_costs
 from .proposers import make_proposer
 from .verify import target_probs, verify
 
 
 def speculative_decode(model, prompt_ids: list[int], params: SamplingParams, stage: str, proposer, k: int,
-                       detok, out, kv_cache_dtype: str | None = None) -> Iterator[str]:
+                       detok, out, kv_cache_dtype: str | None = None, adaptive: bool = False,
+                       pass_cost: dict[int, float] | None = None) -> Iterator[str]:
     """Yield text chunks as `detok` (the sequence's IncrementalDetokenizer) releases them; fill `out`
-    (a generate.Generation) with the timings and the speculation counters."""
+    (a generate.Generation) with the timings and the speculation counters. adaptive: draft 0..k tokens per
+    step, as AdaptiveK chooses (adaptive.py), pricing passes with pass_cost ({T: time of a pass over T
+    tokens}), measured on this runner after the prefill when not given."""
     if not isinstance(k, int) or k < 1:
         raise ValueError(f"num_speculative_tokens must be an integer >= 1; got {k!r}")
     if stage not in ("kv", "flash", "paged"):
@@ -41,6 +45,11 @@ def speculative_decode(model, prompt_ids: list[int], params: SamplingParams, sta
     logits = runner.prefill(prompt_ids)
     new = [int(sample_next_token(logits[None], params, gen)[0])]
     proposer.start(runner, params, gen)
+    ctl = None
+    if adaptive:
+        m0 = time.perf_counter()
+        ctl = AdaptiveK(k, pass_cost or measure_pass_costs(runner, k + 1), proposer.relative_cost(model))
+        t0 += time.perf_counter() - m0           # a calibration, once per model and context size: not a token's time
     while True:
         now = time.perf_counter()
         if not out.token_times_s:
@@ -58,11 +67,18 @@ def speculative_decode(model, prompt_ids: list[int], params: SamplingParams, sta
             break
         start = runner.length                                       # == len(history) - 1
         room = min(k, detok.remaining - 1, runner.max_len - start - 1)
+        if ctl is not None:
+            room = ctl.choose(room)                                    # 0: a plain decode step
         drafts, q = proposer.propose(history, room) if room > 0 else ([], None)
+        if ctl is not None and len(drafts) < room:                      # fewer found than asked
+            keep = ctl.keep(len(drafts))
+            drafts, q = drafts[:keep], (None if q is None or not keep else q[:keep])
         logits = runner.extend([history[-1], *drafts])                 # (len(drafts) + 1, vocab)
         new = verify(drafts, q, target_probs(logits, params), gen)
         runner.truncate(start + len(new))                              # t + the accepted drafts
         if drafts:
+            if ctl is not None:
+                ctl.update(len(drafts), len(new) - 1)
             out.spec_drafts += 1
             out.spec_draft_tokens += len(drafts)
             out.spec_accepted_tokens += len(new) - 1

@@ -35,6 +35,11 @@ class Proposer:
     def propose(self, token_ids: list[int], k: int) -> tuple[list[int], torch.Tensor | None]:
         raise NotImplementedError
 
+    def relative_cost(self, target) -> float:
+        """One draft step's time over one of the target's decode steps (adaptive speculation weighs it);
+        a lookup costs nothing."""
+        return 0.0
+
     def _pick(self, logits: torch.Tensor) -> tuple[int, torch.Tensor | None]:
         return pick_draft(logits, self.params, self.generator)
 
@@ -83,6 +88,9 @@ class LayerSkipProposer(Proposer):
         self.n_layers = n_layers
         self.name = f"layers:{n_layers}"
 
+    def relative_cost(self, target) -> float:
+        return self.n_layers / target.cfg.n_layers       # a decode step reads each layer's weights once
+
     def check(self, model) -> None:
         if self.n_layers >= model.cfg.n_layers:
             raise ValueError(f"a layer-skipping draft needs fewer layers than the model's "
@@ -111,6 +119,10 @@ class LayerSkipProposer(Proposer):
 class DraftModelProposer(Proposer):
     def __init__(self, model, stage: str = "kv", name: str = "draft-model"):
         self.model, self.stage, self.name = model, stage, name
+
+    def relative_cost(self, target) -> float:
+        size = lambda m: sum(p.numel() * p.element_size() for p in m.state_dict().values())   # noqa: E731
+        return size(self.model) / size(target)            # decoding is bound by the bytes it reads
 
     def start(self, runner, params, generator) -> None:
         from ..stages import make_runner

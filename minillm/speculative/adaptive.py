@@ -1,0 +1,113 @@
+"""Adaptive speculation: each sequence chooses how many tokens to draft, 0 to k, at every step.
+
+A pass over j + 1 tokens emits E(j) = (1 - a^(j+1)) / (1 - a) tokens on average when each draft is
+accepted with probability a, and costs cost(j + 1) (a pass over j + 1 tokens, measured) plus j draft
+steps. So the sequence asks for the j that maximizes
+
+    E(j) / (cost(j + 1) + j * draft_cost)          in tokens per unit of time; j = 0 is plain decoding
+
+with a estimated from its own recent drafts. On a CPU a 4-token pass costs about 1.5 plain steps, so
+drafting pays only where a is high (the answer copies its input); elsewhere j = 0 wins and the sequence
+decodes plainly. Every few plain steps it drafts again (a probe), so a sequence that starts copying is
+noticed. The costs are measured, not assumed: on some CPUs a pass over 2 or 3 tokens costs more than one
+over 4 (the matrix library picks another kernel for so few rows), and the choice follows. Which j is chosen never changes what is emitted: each step's verification is exact
+given the tokens before it, whatever the number of drafts.
+
+    ctl = AdaptiveK(k=8, pass_cost={1: 1.0, 2: 1.08, 3: 1.15, ...})
+    j = ctl.choose()                  # drafts to ask for now
+    drafts = drafts[:ctl.keep(len(drafts))]     # the proposer may find fewer: verify them only if it pays
+    ...                               # verify: `accepted` of the `drafted` kept
+    ctl.update(drafted, accepted)
+"""
+from __future__ import annotations
+
+import statistics
+import time
+import weakref
+
+from .verify import expected_tokens_per_step
+
+_MEASURED: "weakref.WeakKeyDictionary" = weakref.WeakKeyDictionary()     # model -> {(stage, T): seconds}
+
+
+class AdaptiveK:
+    def __init__(self, k: int, pass_cost: dict[int, float], draft_cost: float = 0.0, prior: float = 0.5,
+                 memory: float = 0.7, probe_every: int = 4, hope: float = 0.9):
+        """k: the most drafts a step may ask for. pass_cost: {T: time of a pass over T tokens}, for T = 1..k+1,
+        in any unit (seconds, or relative to T = 1). draft_cost: one draft step, in the same unit (0 for a
+        lookup such as n-gram). prior: the acceptance assumed before any draft. memory: the weight an
+        earlier estimate keeps at each update (0.7: the last few steps count). probe_every: plain steps
+        between probes; hope: the acceptance a probe is sized for (a proposer that would not pay even at
+        this acceptance is never probed)."""
+        if not isinstance(k, int) or k < 1:
+            raise ValueError(f"k must be an integer >= 1; got {k!r}")
+        missing = [T for T in range(1, k + 2) if T not in pass_cost]
+        if missing:
+            raise ValueError(f"pass_cost needs the cost of a pass over 1..{k + 1} tokens; missing {missing}")
+        self.k, self.draft_cost, self.memory, self.probe_every = k, draft_cost, memory, probe_every
+        self.cost = {T: float(pass_cost[T]) for T in range(1, k + 2)}
+        self.prior, self.hope = prior, hope
+        self.accepted, self.tried = prior, 1.0         # discounted counts: alpha = accepted / tried
+        self.plain_steps, self.probing = 0, False
+
+    @property
+    def alpha(self) -> float:
+        return self.accepted / self.tried
+
+    def rate(self, j: int, alpha: float | None = None) -> float:
+        """Expected tokens per unit of time when drafting j tokens (at the current alpha, or this one)."""
+        a = self.alpha if alpha is None else alpha
+        return expected_tokens_per_step(a, j) / (self.cost[j + 1] + j * self.draft_cost)
+
+    def choose(self, room: int | None = None) -> int:
+        """The number of drafts to ask for now: the best rate among 0..min(k, room); after probe_every plain
+        steps in a row, the best j >= 1 at the prior acceptance (a probe: is the sequence copying now?)."""
+        top = self.k if room is None else max(0, min(self.k, room))
+        best = max(range(top + 1), key=self.rate)
+        self.probing = False
+        if best == 0 and top > 0:
+            self.plain_steps += 1
+            probe = max(range(1, top + 1), key=lambda j: self.rate(j, self.hope))
+            if self.plain_steps >= self.probe_every and self.rate(probe, self.hope) > self.rate(0):
+                self.plain_steps, self.probing = 0, True          # (never, where even `hope` would not pay)
+                return probe
+        return best
+
+    def keep(self, drafted: int) -> int:
+        """How many of `drafted` drafts to verify when the proposer found fewer than asked: the best prefix
+        (a pass over 2 or 3 tokens can cost more per token than over 4); all of them for a probe."""
+        if self.probing or drafted == 0:
+            return drafted
+        return max(range(drafted + 1), key=self.rate)
+
+    def update(self, drafted: int, accepted: int) -> None:
+        """After a verification: of `drafted` drafts, the first `accepted` were kept. Each draft up to the
+        first rejection was a trial of alpha (a draft after a rejection was never judged)."""
+        if drafted <= 0:
+            return
+        self.plain_steps = 0
+        trials = min(accepted + 1, drafted)
+        self.accepted = self.memory * self.accepted + accepted
+        self.tried = self.memory * self.tried + trials
+
+
+def measure_pass_costs(runner, max_tokens: int, repeats: int = 3) -> dict[int, float]:
+    """{T: a pass over T tokens / a pass over 1}, T = 1..max_tokens, timed on `runner` where it stands (its
+    cache is rolled back after each pass); rounds alternate over T, so a slow moment hits every T alike.
+    Measured once per model and stage in a process, then reused."""
+    key = (getattr(runner, "name", type(runner).__name__), runner.length // 256)
+    known = _MEASURED.setdefault(runner.model, {})
+    if all((key, T) in known for T in range(1, max_tokens + 1)):
+        return {T: known[key, T] / known[key, 1] for T in range(1, max_tokens + 1)}
+    start = runner.length
+    times: dict[int, list[float]] = {T: [] for T in range(1, max_tokens + 1)}
+    for r in range(repeats + 1):                     # the first round warms up
+        for T in times:
+            t0 = time.perf_counter()
+            runner.extend([0] * T)
+            runner.truncate(start)
+            if r:
+                times[T].append(time.perf_counter() - t0)
+    for T, ts in times.items():
+        known[key, T] = statistics.median(ts)
+    return {T: known[key, T] / known[key, 1] for T in times}
