@@ -21,6 +21,8 @@ from minillm.course.bench import machine_info
 from minillm.course.speculative_bench import draft_cost, pass_costs, run_tasks, summarize_tasks
 
 CONFIGS = [("ngram", 2), ("ngram", 4), ("ngram", 8), ("layers:24", 2), ("layers:24", 4), ("layers:15", 2)]
+# --adaptive: each step drafts 0..k tokens where it pays (speculative/adaptive.py), against fixed k = 4
+ADAPTIVE = [("ngram", 4), ("ngram", 4, "adaptive"), ("ngram", 8, "adaptive"), ("layers:24", 4, "adaptive")]
 
 
 def main():
@@ -28,22 +30,31 @@ def main():
     ap.add_argument("--max-tokens", type=int, default=128)
     ap.add_argument("--tasks", default=str(Path(__file__).parents[1] / "data" / "speculative_tasks.jsonl"))
     ap.add_argument("--threads", type=int, default=None)
-    ap.add_argument("--out", default=str(Path(__file__).parent / "results" / "cpu_speculative.json"))
+    ap.add_argument("--out", default=None, help="default results/cpu_speculative.json "
+                                                 "(with --adaptive: results/cpu_speculative_adaptive.json)")
+    ap.add_argument("--adaptive", action="store_true", help="adaptive k against fixed k (the ADAPTIVE configs)")
+    ap.add_argument("--per-task", type=int, default=None, help="only the first N prompts of each task type")
+    ap.add_argument("--repeats", type=int, default=1, help="turns per prompt; tokens/s is the median (default 1)")
     args = ap.parse_args()
+    args.out = args.out or str(Path(__file__).parent / "results" /
+                               ("cpu_speculative_adaptive.json" if args.adaptive else "cpu_speculative.json"))
     if args.threads:
         torch.set_num_threads(args.threads)
     model, tok = minillm.load_model(), minillm.load_tokenizer()
     tasks = [json.loads(line) for line in open(args.tasks)]
+    if args.per_task:
+        tasks = [t for i, t in enumerate(tasks) if [u["task"] for u in tasks[:i]].count(t["task"]) < args.per_task]
+    configs = ADAPTIVE if args.adaptive else CONFIGS
     costs = pass_costs(model)
     c = {n: draft_cost(model, n) for n in (15, 24)}
-    rows = run_tasks(model, tok, tasks, CONFIGS, max_tokens=args.max_tokens)
+    rows = run_tasks(model, tok, tasks, configs, max_tokens=args.max_tokens, repeats=args.repeats)
     info = machine_info()
     result = {"machine": info["cpu"], "gpu": info["gpu"], "torch": info["torch"], "threads": info["threads"],
-              "dtype": "float32", "max_tokens": args.max_tokens, "configs": CONFIGS,
+              "dtype": "float32", "max_tokens": args.max_tokens, "configs": configs, "repeats": args.repeats,
               "pass_cost_s": costs, "draft_cost_ratio": c, "rows": rows, "summary": summarize_tasks(rows)}
     Path(args.out).write_text(json.dumps(result, indent=1) + "\n")
     for s in result["summary"]:
-        print(f"{s['task']:10s} {s['system']:10s} k={s['k']}  x{s['speedup_median']:.2f}  "
+        print(f"{s['task']:10s} {s['system']:19s} k={s['k']}  x{s['speedup_median']:.2f}  "
               f"acceptance {s['acceptance_rate']:.0%}  {s['mean_accepted_tokens']:.2f}/pass  same={s['all_same']}")
     print(f"pass cost vs 1 token: " + ", ".join(f"{T}: {t / costs[1]:.2f}" for T, t in costs.items()))
     print(f"draft cost ratio c: {c}  ({info['cpu']}, {info['threads']} threads)")

@@ -59,33 +59,41 @@ def draft_cost(model, n_layers: int, context: int = 200, repeats: int = 9) -> fl
 
 
 def run_tasks(model, tokenizer, tasks: list[dict], configs: list[tuple[str, int]], max_tokens: int = 128,
-              progress: bool = True) -> list[dict]:
-    """For each task prompt: plain kv decoding, then every (proposer, k), in one alternating run.
-    Returns a row per (prompt, system) with decode tokens/s, the speculative counters and `same`
-    (greedy tokens identical to plain decoding)."""
+              progress: bool = True, repeats: int = 1) -> list[dict]:
+    """For each task prompt: plain kv decoding, then every (proposer, k) or (proposer, k, "adaptive") (k at
+    most, chosen per step: speculative/adaptive.py), in one alternating run. Returns a row per (prompt,
+    system) with decode tokens/s, the speculative counters and `same` (greedy tokens identical to plain
+    decoding). repeats > 1: each prompt's systems take turns that many times, and a row's tokens/s is the
+    median of its turns (the machine's slow moments hit every system alike)."""
     params = SamplingParams(max_tokens=max_tokens)
     warm = tokenizer.apply_chat_template([{"role": "user", "content": tasks[0]["prompt"]}])
     generate(model, tokenizer, warm, SamplingParams(max_tokens=8), stage="kv")       # warm-up, not timed
-    for spec, k in configs:
+    for spec, k, *mode in configs:
         generate(model, tokenizer, warm, SamplingParams(max_tokens=8), stage="kv", speculative=spec,
-                 num_speculative_tokens=k)
+                 num_speculative_tokens=k, adaptive_speculation="adaptive" in mode)
     rows = []
-    bar = tqdm(total=len(tasks) * (1 + len(configs)), desc="speculative", disable=not progress)
+    bar = tqdm(total=len(tasks) * (1 + len(configs)) * repeats, desc="speculative", disable=not progress)
     for t in tasks:
         ids = tokenizer.apply_chat_template([{"role": "user", "content": t["prompt"]}])
-        base = generate(model, tokenizer, ids, params, stage="kv")
-        bar.update()
+        turns: dict[int, list] = {}
+        for _ in range(repeats):
+            for i, (spec, k, *mode) in enumerate([(None, 0), *configs]):
+                turns.setdefault(i, []).append(generate(
+                    model, tokenizer, ids, params, stage="kv", speculative=spec, num_speculative_tokens=k or 4,
+                    adaptive_speculation="adaptive" in mode))
+                bar.update()
+        rate = {i: statistics.median(g.decode_tokens_per_s for g in gs) for i, gs in turns.items()}
+        base = turns[0][0]
         rows.append({"task": t["task"], "name": t["name"], "system": "kv", "k": 0,
-                     "tokens": len(base.token_ids), "decode_tokens_per_s": base.decode_tokens_per_s, "same": True})
-        for spec, k in configs:
-            g = generate(model, tokenizer, ids, params, stage="kv", speculative=spec, num_speculative_tokens=k)
-            bar.update()
-            rows.append({"task": t["task"], "name": t["name"], "system": spec, "k": k, "tokens": len(g.token_ids),
-                         "decode_tokens_per_s": g.decode_tokens_per_s, "same": g.token_ids == base.token_ids,
+                     "tokens": len(base.token_ids), "decode_tokens_per_s": rate[0], "same": True})
+        for i, (spec, k, *mode) in enumerate(configs, start=1):
+            g = turns[i][0]
+            rows.append({"task": t["task"], "name": t["name"], "system": " ".join([spec, *mode]), "k": k,
+                         "tokens": len(g.token_ids), "decode_tokens_per_s": rate[i],
+                         "same": all(x.token_ids == base.token_ids for x in turns[i]),
                          "acceptance_rate": g.acceptance_rate, "mean_accepted_tokens": g.mean_accepted_tokens,
                          "spec_drafts": g.spec_drafts, "spec_draft_tokens": g.spec_draft_tokens,
-                         "spec_accepted_tokens": g.spec_accepted_tokens,
-                         "speedup": g.decode_tokens_per_s / base.decode_tokens_per_s})
+                         "spec_accepted_tokens": g.spec_accepted_tokens, "speedup": rate[i] / rate[0]})
     bar.close()
     return rows
 
@@ -125,6 +133,6 @@ def predicted_run_speedup(row: dict, pass_cost_s: dict, draft_cost_ratio: dict) 
     emitted = row["tokens"] - 1
     passes, verifies = emitted - row["spec_accepted_tokens"], row["spec_drafts"]
     width = row["spec_draft_tokens"] / max(verifies, 1) + 1
-    draft = {f"layers:{n}": r for n, r in draft_cost_ratio.items()}.get(row["system"], 0.0)
+    draft = {f"layers:{n}": r for n, r in draft_cost_ratio.items()}.get(row["system"].split()[0], 0.0)
     steps = (passes - verifies) + verifies * relative(width) + draft * row["spec_draft_tokens"]
     return emitted / steps
