@@ -25,6 +25,45 @@ CONFIGS = [("ngram", 2), ("ngram", 4), ("ngram", 8), ("layers:24", 2), ("layers:
 ADAPTIVE = [("ngram", 4), ("ngram", 4, "adaptive"), ("ngram", 8, "adaptive"), ("layers:24", 4, "adaptive")]
 
 
+ENGINE = [(None, 0), ("ngram", 4), ("ngram", 4, "adaptive")]
+
+
+def engine_runs(model, tok, tasks, batches: list[int], max_tokens: int, repeats: int) -> list[dict]:
+    """The serving engine over all task prompts at once, at each max_num_seqs in `batches`: no speculation,
+    n-gram k = 4, and adaptive n-gram (k <= 4), taking turns `repeats` times; output tokens per second (median)."""
+    import statistics
+    import time
+
+    from minillm import LLM
+    from minillm.sampling import SamplingParams
+
+    prompts = [tok.apply_chat_template([{"role": "user", "content": t["prompt"]}]) for t in tasks]
+    params = SamplingParams(max_tokens=max_tokens)
+    rows = []
+    for b in batches:
+        engines = {i: LLM(model, tok, max_num_seqs=b, speculative=spec, num_speculative_tokens=k or 4,
+                          adaptive_speculation="adaptive" in mode, verbose=False)
+                   for i, (spec, k, *mode) in enumerate(ENGINE)}
+        rates: dict[int, list[float]] = {i: [] for i in engines}
+        ids: dict[int, list] = {}
+        for _ in range(repeats):
+            for i, llm in engines.items():
+                t0 = time.perf_counter()
+                outs = llm.generate(prompts, params, use_tqdm=False)
+                rates[i].append(sum(len(o.token_ids) for o in outs) / (time.perf_counter() - t0))
+                ids[i] = [o.token_ids for o in outs]
+        base = statistics.median(rates[0])
+        for i, (spec, k, *mode) in enumerate(ENGINE):
+            stats = engines[i].engine.stats()
+            rows.append({"max_num_seqs": b, "system": " ".join(filter(None, [spec or "plain", *mode])), "k": k,
+                         "output_tokens_per_s": statistics.median(rates[i]), "speedup": statistics.median(rates[i]) / base,
+                         "same": ids[i] == ids[0], "spec_draft_tokens": stats["spec_draft_tokens"],
+                         "spec_accepted_tokens": stats["spec_accepted_tokens"]})
+            print(f"max_num_seqs {b:3d}  {rows[-1]['system']:15s} {rows[-1]['output_tokens_per_s']:7.1f} tok/s  "
+                  f"x{rows[-1]['speedup']:.2f}  same={rows[-1]['same']}")
+    return rows
+
+
 def main():
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--max-tokens", type=int, default=128)
@@ -35,6 +74,8 @@ def main():
     ap.add_argument("--adaptive", action="store_true", help="adaptive k against fixed k (the ADAPTIVE configs)")
     ap.add_argument("--per-task", type=int, default=None, help="only the first N prompts of each task type")
     ap.add_argument("--repeats", type=int, default=1, help="turns per prompt; tokens/s is the median (default 1)")
+    ap.add_argument("--engine", default=None, metavar="B,B,...",
+                    help="with --adaptive: also the serving engine over all the prompts at these max_num_seqs")
     args = ap.parse_args()
     args.out = args.out or str(Path(__file__).parent / "results" /
                                ("cpu_speculative_adaptive.json" if args.adaptive else "cpu_speculative.json"))
@@ -48,10 +89,13 @@ def main():
     costs = pass_costs(model)
     c = {n: draft_cost(model, n) for n in (15, 24)}
     rows = run_tasks(model, tok, tasks, configs, max_tokens=args.max_tokens, repeats=args.repeats)
+    engine = engine_runs(model, tok, tasks, [int(b) for b in args.engine.split(",")], args.max_tokens,
+                         args.repeats) if args.engine else None
     info = machine_info()
     result = {"machine": info["cpu"], "gpu": info["gpu"], "torch": info["torch"], "threads": info["threads"],
               "dtype": "float32", "max_tokens": args.max_tokens, "configs": configs, "repeats": args.repeats,
-              "pass_cost_s": costs, "draft_cost_ratio": c, "rows": rows, "summary": summarize_tasks(rows)}
+              "pass_cost_s": costs, "draft_cost_ratio": c, "rows": rows, "summary": summarize_tasks(rows),
+              **({"engine": engine} if engine else {})}
     Path(args.out).write_text(json.dumps(result, indent=1) + "\n")
     for s in result["summary"]:
         print(f"{s['task']:10s} {s['system']:19s} k={s['k']}  x{s['speedup_median']:.2f}  "

@@ -91,14 +91,12 @@ def stream(model, tokenizer, prompt_ids: list[int], params: SamplingParams | Non
     if speculative is not None and params.penalized:
         raise ValueError("penalties and logit_bias change each token's logits by the tokens before it, so "
                          "they are sampled one at a time: drop speculative, or the penalties")
-    if adaptive_speculation and (speculative is None or stage == "continuous"):
-        raise ValueError("adaptive_speculation chooses how many tokens a speculative proposer drafts, in the "
-                         "single-stream loop (stages kv, flash, paged): give speculative=, and a stage of those"
-                         if speculative is None else "adaptive_speculation runs in the single-stream loop (stages "
-                         "kv, flash, paged); the serving engine drafts num_speculative_tokens per step")
+    if adaptive_speculation and speculative is None:
+        raise ValueError("adaptive_speculation chooses how many tokens a speculative proposer drafts: give "
+                         "speculative= too")
     if stage == "continuous":
         yield from _stream_engine(model, tokenizer, prompt_ids, params, result, speculative, num_speculative_tokens,
-                                  kv_cache_dtype, enforce_eager)
+                                  kv_cache_dtype, enforce_eager, adaptive_speculation)
         return
     out = result if result is not None else Generation(prompt_tokens=len(prompt_ids))
     out.prompt_tokens, out.stage = len(prompt_ids), stage
@@ -135,7 +133,7 @@ def stream(model, tokenizer, prompt_ids: list[int], params: SamplingParams | Non
 
 
 def _stream_engine(model, tokenizer, prompt_ids, params, result, speculative=None, k=4,
-                   kv_cache_dtype=None, enforce_eager=False) -> Iterator[str]:
+                   kv_cache_dtype=None, enforce_eager=False, adaptive_speculation=False) -> Iterator[str]:
     """Stage 5 for one prompt: the serving engine with a pool just big enough for it."""
     from .engine import LLM
 
@@ -144,7 +142,7 @@ def _stream_engine(model, tokenizer, prompt_ids, params, result, speculative=Non
     blocks = -(-min(len(prompt_ids) + params.max_tokens + extra, model.cfg.max_seq_len) // block)
     llm = LLM(model, tokenizer, max_num_seqs=1, block_size=block, num_blocks=blocks, verbose=False,
               speculative=speculative, num_speculative_tokens=k, kv_cache_dtype=kv_cache_dtype,
-              enforce_eager=enforce_eager)
+              enforce_eager=enforce_eager, adaptive_speculation=adaptive_speculation)
     out = result if result is not None else Generation(prompt_tokens=len(prompt_ids))
     out.prompt_tokens, out.stage = len(prompt_ids), "continuous"
     for o in llm.stream(prompt_ids, params):

@@ -149,3 +149,18 @@ def test_bad_speculative_options(model, tokenizer):
         with pytest.raises(ValueError, match=msg):
             LLMEngine(model, tokenizer, kv_cache_memory=8 << 20, speculative=spec, num_speculative_tokens=k,
                       verbose=False)
+
+
+@pytest.mark.parametrize("proposer", ["ngram", "layers:20"])
+def test_adaptive_speculation_keeps_every_requests_greedy_tokens(model, tokenizer, prompts, solo, proposer):
+    """Each request drafts 0..k tokens a step as its controller chooses from its acceptance and the step costs
+    the engine fits; a tiny pool and budget make requests preempt and chunk meanwhile. The tokens are the
+    solo greedy ones, and every request ends with no draft left."""
+    engine = LLMEngine(model, tokenizer, block_size=4, num_blocks=24, max_num_batched_tokens=12,
+                       speculative=proposer, num_speculative_tokens=4, adaptive_speculation=True, verbose=False)
+    n = 5 if proposer == "ngram" else 3
+    finals = run(engine, prompts[:n], GREEDY, arrive_every=2)
+    check(engine, finals, solo[:n])
+    assert all(r.spec_control is None or 0 <= r.spec_control.alpha <= 1 for r in engine.requests.values())
+    with pytest.raises(ValueError, match="speculative"):
+        LLMEngine(model, tokenizer, num_blocks=8, adaptive_speculation=True, verbose=False)

@@ -128,3 +128,20 @@ def test_adaptive_k_drafts_only_where_it_pays():
     assert [costly.choose() for _ in range(20)] == [0] * 20   # would not pay even at alpha 0.9: never probed
     with pytest.raises(ValueError, match="missing"):
         AdaptiveK(4, {1: 1.0, 2: 1.1})
+
+
+def test_in_a_batch_drafts_pay_only_where_extra_tokens_are_cheap():
+    """The engine prices j more tokens with the step time it fits (a + b * tokens). One sequence whose step
+    is mostly a fixed cost (reading the weights) drafts; 64 sequences in a step whose time grows with every
+    token do not: the 63 others would wait for drafts that add less than they cost."""
+    from minillm.speculative.adaptive import AdaptiveK, StepCost
+
+    fit = StepCost()
+    assert fit.relative(1, 3) == {1: 1.0, 2: 1.0, 3: 1.0, 4: 1.0}    # nothing seen yet: extra tokens are free
+    for tokens in (1, 2, 5, 64, 70):
+        fit.observe(tokens, 0.03 + 0.002 * tokens)
+    a, b = fit.line()
+    assert abs(a - 0.03) < 1e-9 and abs(b - 0.002) < 1e-9
+    ctl = AdaptiveK(4, fit.relative(1, 4), prior=0.6)
+    assert ctl.choose(4, fit.relative(1, 4), batch=1) == 4
+    assert ctl.choose(4, fit.relative(64, 4), batch=64) == 0

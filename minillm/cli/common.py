@@ -46,9 +46,8 @@ def load(args):
 
 
 def check_speculative(args) -> None:
-    if getattr(args, "adaptive_speculation", False) and (args.speculative is None or args.stage == "continuous"):
-        fail("--adaptive-speculation chooses how many tokens --speculative drafts, in the single-stream stages "
-             "(kv, flash, paged)")
+    if args.adaptive_speculation and args.speculative is None:
+        fail("--adaptive-speculation chooses how many tokens --speculative drafts: give --speculative too")
     if args.speculative is None:
         return
     from ..speculative import make_proposer

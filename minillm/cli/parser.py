@@ -53,15 +53,14 @@ def _add_sampling_args(p, max_tokens=128):
     p.add_argument("--seed", type=int, default=None)
 
 
-def _add_speculative_args(p, single_stream: bool = True):
+def _add_speculative_args(p):
     p.add_argument("--speculative", default=None, metavar="ngram|layers:N",
                    help="speculative decoding (stages kv, flash, paged, continuous): n-gram prompt lookup, "
                         "or the model's first N layers as the draft")
     p.add_argument("--num-speculative-tokens", type=int, default=4, metavar="K", help="drafts per step (default 4)")
-    if single_stream:
-        p.add_argument("--adaptive-speculation", action="store_true",
-                       help="draft 0..K tokens per step, where the sequence's acceptance and the measured cost of "
-                            "a pass say it pays (stages kv, flash, paged)")
+    p.add_argument("--adaptive-speculation", action="store_true",
+                   help="each sequence drafts 0..K tokens a step, where its acceptance and the measured cost of "
+                        "the pass say it pays")
 
 
 def build_parser() -> argparse.ArgumentParser:
@@ -105,7 +104,7 @@ def build_parser() -> argparse.ArgumentParser:
     se.add_argument("--graceful-timeout", type=float, default=30.0,
                     help="seconds running answers get to finish on shutdown (default 30)")
     _add_model_args(se, stage=False)
-    _add_speculative_args(se, single_stream=False)
+    _add_speculative_args(se)
 
     co = sub.add_parser("course", help="open the course notebooks in JupyterLab")
     co.add_argument("--port", type=int, default=None)

@@ -22,7 +22,7 @@ def cmd_serve(args) -> None:
                        kv_cache_memory=int(args.kv_cache_memory * 2**30), max_model_len=args.max_model_len,
                        enable_prefix_caching=not args.no_prefix_caching, speculative=args.speculative,
                        num_speculative_tokens=args.num_speculative_tokens, kv_cache_dtype=args.kv_cache_dtype,
-                       enforce_eager=args.enforce_eager)
+                       enforce_eager=args.enforce_eager, adaptive_speculation=args.adaptive_speculation)
     name = args.served_model_name or model.cfg.name
     print(f"minillm: serving {name} on http://{args.host}:{args.port}/v1 ({device})", file=sys.stderr, flush=True)
     serve(engine, name, args.host, args.port, args.api_key, args.max_queued_requests, args.graceful_timeout,

@@ -53,6 +53,7 @@ class EngineConfig:
     enable_prefix_caching: bool = True
     speculative: object = None              # a proposer: "ngram", "layers:N" or a speculative.Proposer
     num_speculative_tokens: int = 4
+    adaptive_speculation: bool = False      # each request drafts 0..k a step where it pays (speculative/adaptive.py)
     kv_cache_dtype: str | None = None       # None (the model's dtype), "int8", "int4"
     enforce_eager: bool = False             # no CUDA graphs for decode steps (they are captured on a GPU only)
     verbose: bool = True                    # log the KV cache's size at INFO level
@@ -90,8 +91,11 @@ class LLMEngine:
         self.max_len = min(self.max_model_len, self.capacity_tokens)   # longest request that can ever run
         self.runner = runner_cls(model, self.kv, c.attention)
         self.graph_capture_s = self._capture_decode_graphs() if self._graphs_apply() else None
+        if c.adaptive_speculation and c.speculative is None:
+            raise ValueError("adaptive_speculation chooses how many tokens a proposer drafts: give speculative=")
         self.speculator = None if c.speculative is None else Speculator(c.speculative, self.runner,
-                                                                          c.num_speculative_tokens)
+                                                                          c.num_speculative_tokens,
+                                                                          c.adaptive_speculation)
         self.scheduler = Scheduler(self.kv, c.max_num_seqs, c.max_num_batched_tokens, c.policy,
                                    c.enable_chunked_prefill, max_len=self.max_len,
                                    num_speculative_tokens=c.num_speculative_tokens if self.speculator else 0)
@@ -216,9 +220,12 @@ class LLMEngine:
         self.tokens_last_step = batch.total_tokens
         if batch.requests:
             try:
+                t0 = time.perf_counter()
                 logits = self.runner.execute(batch)                     # (len(batch.logit_rows), vocab)
                 _score_prompts(batch, logits)
                 sampled = self._sample(batch, logits)
+                if self.speculator is not None:
+                    self.speculator.observe(batch.total_tokens, time.perf_counter() - t0)
             except Exception as e:       # a fault in the model's step: its batch ends, the engine goes on
                 logger.exception("the model step failed; its %d requests end with an error", len(batch.requests))
                 return self._forget(outputs + self._fail(batch, e))

@@ -58,6 +58,7 @@ class Request:
     # speculative decoding (engine/speculation.py): this step's drafts after the sampled token
     spec_token_ids: list[int] = field(default_factory=list)
     spec_probs: torch.Tensor | None = None      # (drafts, vocab) the draft's distributions; None: one-hot
+    spec_control: object = None                 # adaptive speculation: this request's AdaptiveK (how many drafts)
     # params.logprobs set: per output token (its log-probability, [(id, log-probability)] of the best ones)
     logprobs: list[tuple[float, list[tuple[int, float]]]] | None = None
     # params.prompt_logprobs set: the same per prompt token, None for the first (nothing comes before it)

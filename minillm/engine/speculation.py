@@ -17,6 +17,7 @@ from __future__ import annotations
 import torch
 
 from ..speculative import DraftModelProposer, LayerSkipProposer, make_proposer, target_probs
+from ..speculative.adaptive import AdaptiveK, StepCost
 from ..speculative.proposers import pick_draft
 from ..speculative import verify as verify_rule
 from ..speculative import verify_greedy
@@ -25,7 +26,9 @@ from .scheduler import ScheduledBatch
 
 
 class Speculator:
-    def __init__(self, proposer, runner, num_speculative_tokens: int):
+    def __init__(self, proposer, runner, num_speculative_tokens: int, adaptive: bool = False):
+        """adaptive: each request drafts 0..k tokens a step where that pays, from its own acceptance and the
+        cost of j more tokens in this step (speculative/adaptive.py; the engine fits step time to tokens)."""
         if not isinstance(num_speculative_tokens, int) or num_speculative_tokens < 1:
             raise ValueError(f"num_speculative_tokens must be an integer >= 1; got {num_speculative_tokens!r}")
         self.proposer = make_proposer(proposer)
@@ -35,6 +38,8 @@ class Speculator:
         if isinstance(self.proposer, LayerSkipProposer):
             self.proposer.check(runner.model)
         self.runner, self.k = runner, num_speculative_tokens
+        self.step_cost = StepCost() if adaptive else None
+        self._draft_cost = self.proposer.relative_cost(runner.model)
         self.num_drafts = self.num_draft_tokens = self.num_accepted_tokens = 0   # vLLM's counters
 
     # ------------------------------------------------------------ propose
@@ -42,6 +47,8 @@ class Speculator:
         """Fill req.spec_token_ids (and spec_probs) of every request with room for drafts; a request
         that gets fewer drafts than its room computes fewer tokens."""
         todo = [(i, r, s) for i, (r, s) in enumerate(zip(batch.requests, batch.num_spec_slots)) if s]
+        if self.step_cost is not None and todo:
+            todo = self._adapt(batch, todo)
         if not todo:
             return
         if isinstance(self.proposer, LayerSkipProposer):
@@ -50,8 +57,34 @@ class Speculator:
             for _, req, s in todo:
                 drafts, probs = self.proposer.propose(req.all_token_ids, s)
                 req.spec_token_ids, req.spec_probs = list(drafts)[:s], probs
+                ctl = req.spec_control
+                if ctl is not None and len(req.spec_token_ids) < s:     # fewer found: verify only if it pays
+                    keep = ctl.keep(len(req.spec_token_ids))
+                    req.spec_token_ids = req.spec_token_ids[:keep]
+                    req.spec_probs = None if probs is None or not keep else probs[:keep]
         for i, req, s in todo:
             batch.num_new_tokens[i] = 1 + len(req.spec_token_ids)
+
+    def _adapt(self, batch: ScheduledBatch, todo: list) -> list:
+        """Each request's drafts for this step, 0..its slots, as its controller chooses; requests that
+        choose none decode plainly (their slots are given back as plain one-token rows)."""
+        tokens = batch.total_tokens - sum(s for _, _, s in todo)        # the step without drafts
+        costs = self.step_cost.relative(tokens, self.k)
+        chosen = []
+        for i, req, s in todo:
+            if req.spec_control is None:
+                req.spec_control = AdaptiveK(self.k, costs, self._draft_cost)
+            j = req.spec_control.choose(s, costs, batch=len(batch.requests))
+            batch.num_new_tokens[i] = 1 + j
+            req.spec_token_ids, req.spec_probs = [], None
+            if j:
+                chosen.append((i, req, j))
+        return chosen
+
+    def observe(self, tokens: int, seconds: float) -> None:
+        """A step's size and time (adaptive speculation's cost model learns from it)."""
+        if self.step_cost is not None:
+            self.step_cost.observe(tokens, seconds)
 
     @torch.inference_mode()
     def _draft_layers(self, reqs: list[Request], room: list[int]) -> None:
@@ -85,4 +118,6 @@ class Speculator:
         self.num_drafts += 1
         self.num_draft_tokens += len(drafts)
         self.num_accepted_tokens += len(new) - 1
+        if req.spec_control is not None:
+            req.spec_control.update(len(drafts), len(new) - 1)
         return new                         # (the scheduler's update keeps the accepted drafts' K/V)

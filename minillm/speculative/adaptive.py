@@ -48,20 +48,27 @@ class AdaptiveK:
         self.cost = {T: float(pass_cost[T]) for T in range(1, k + 2)}
         self.prior, self.hope = prior, hope
         self.accepted, self.tried = prior, 1.0         # discounted counts: alpha = accepted / tried
-        self.plain_steps, self.probing = 0, False
+        self.plain_steps, self.probing, self.batch = 0, False, 1
 
     @property
     def alpha(self) -> float:
         return self.accepted / self.tried
 
     def rate(self, j: int, alpha: float | None = None) -> float:
-        """Expected tokens per unit of time when drafting j tokens (at the current alpha, or this one)."""
+        """Expected tokens per unit of time when drafting j tokens (at the current alpha, or this one). In a
+        batch of B sequences the step's other B - 1 tokens wait for the drafts too: (B - 1 + E(j)) / B."""
         a = self.alpha if alpha is None else alpha
-        return expected_tokens_per_step(a, j) / (self.cost[j + 1] + j * self.draft_cost)
+        B = self.batch
+        return (B - 1 + expected_tokens_per_step(a, j)) / B / (self.cost[j + 1] + j * self.draft_cost)
 
-    def choose(self, room: int | None = None) -> int:
+    def choose(self, room: int | None = None, pass_cost: dict[int, float] | None = None, batch: int = 1) -> int:
         """The number of drafts to ask for now: the best rate among 0..min(k, room); after probe_every plain
-        steps in a row, the best j >= 1 at the prior acceptance (a probe: is the sequence copying now?)."""
+        steps in a row, the best j >= 1 at the hoped-for acceptance (a probe: is the sequence copying now?).
+        The engine passes this step's costs (a step with j more tokens / the step without them) and the
+        number of sequences that share it."""
+        if pass_cost is not None:
+            self.cost = pass_cost
+        self.batch = batch
         top = self.k if room is None else max(0, min(self.k, room))
         best = max(range(top + 1), key=self.rate)
         self.probing = False
@@ -111,3 +118,33 @@ def measure_pass_costs(runner, max_tokens: int, repeats: int = 3) -> dict[int, f
     for T, ts in times.items():
         known[key, T] = statistics.median(ts)
     return {T: known[key, T] / known[key, 1] for T in times}
+
+
+class StepCost:
+    """A serving engine's step time as a + b * tokens, fitted to the steps it has run (recent ones weigh
+    more): what j more tokens in this step would cost. Until steps of different sizes have been seen, extra
+    tokens are taken as free (as on a GPU at small batch), so drafts are tried and the fit learns."""
+
+    def __init__(self, memory: float = 0.98):
+        self.memory = memory
+        self.n = self.sx = self.sy = self.sxx = self.sxy = 0.0
+
+    def observe(self, tokens: int, seconds: float) -> None:
+        m = self.memory
+        self.n, self.sx, self.sy = m * self.n + 1, m * self.sx + tokens, m * self.sy + seconds
+        self.sxx, self.sxy = m * self.sxx + tokens * tokens, m * self.sxy + tokens * seconds
+
+    def line(self) -> tuple[float, float]:
+        """(a, b): seconds = a + b * tokens; b = 0 until the fit has tokens of different counts."""
+        if self.n == 0:
+            return 1.0, 0.0
+        mx, my = self.sx / self.n, self.sy / self.n
+        var = self.sxx / self.n - mx * mx
+        b = max((self.sxy / self.n - mx * my) / var, 0.0) if var > 1e-9 else 0.0
+        return max(my - b * mx, 1e-6), b
+
+    def relative(self, tokens: int, most: int) -> dict[int, float]:
+        """{1 + j: a step of tokens + j / a step of tokens} for j = 0..most (as AdaptiveK.choose reads)."""
+        a, b = self.line()
+        base = a + b * tokens
+        return {1 + j: (base + b * j) / base for j in range(most + 1)}
