@@ -57,11 +57,8 @@ class Speculator:
             for _, req, s in todo:
                 drafts, probs = self.proposer.propose(req.all_token_ids, s)
                 req.spec_token_ids, req.spec_probs = list(drafts)[:s], probs
-                ctl = req.spec_control
-                if ctl is not None and len(req.spec_token_ids) < s:     # fewer found: verify only if it pays
-                    keep = ctl.keep(len(req.spec_token_ids))
-                    req.spec_token_ids = req.spec_token_ids[:keep]
-                    req.spec_probs = None if probs is None or not keep else probs[:keep]
+                if req.spec_control is not None:                      # fewer found: verify only if it pays
+                    req.spec_token_ids, req.spec_probs = req.spec_control.trim(req.spec_token_ids, probs, s)
         for i, req, s in todo:
             batch.num_new_tokens[i] = 1 + len(req.spec_token_ids)
 

@@ -87,6 +87,13 @@ class AdaptiveK:
             return drafted
         return max(range(drafted + 1), key=self.rate)
 
+    def trim(self, drafts: list[int], probs, asked: int):
+        """(drafts, probs) cut to what is worth verifying when the proposer found fewer than `asked`."""
+        if len(drafts) >= asked:
+            return drafts, probs
+        n = self.keep(len(drafts))
+        return drafts[:n], None if probs is None or not n else probs[:n]
+
     def update(self, drafted: int, accepted: int) -> None:
         """After a verification: of `drafted` drafts, the first `accepted` were kept. Each draft up to the
         first rejection was a trial of alpha (a draft after a rejection was never judged)."""

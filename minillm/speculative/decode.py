@@ -70,9 +70,8 @@ def speculative_decode(model, prompt_ids: list[int], params: SamplingParams, sta
         if ctl is not None:
             room = ctl.choose(room)                                    # 0: a plain decode step
         drafts, q = proposer.propose(history, room) if room > 0 else ([], None)
-        if ctl is not None and len(drafts) < room:                      # fewer found than asked
-            keep = ctl.keep(len(drafts))
-            drafts, q = drafts[:keep], (None if q is None or not keep else q[:keep])
+        if ctl is not None:
+            drafts, q = ctl.trim(list(drafts), q, room)                 # fewer found: verify only if it pays
         logits = runner.extend([history[-1], *drafts])                 # (len(drafts) + 1, vocab)
         new = verify(drafts, q, target_probs(logits, params), gen)
         runner.truncate(start + len(new))                              # t + the accepted drafts
