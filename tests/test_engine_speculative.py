@@ -144,8 +144,12 @@ def test_abort_and_sampled_requests(model, tokenizer, prompts, solo):
 
 
 def test_bad_speculative_options(model, tokenizer):
+    from test_paged_torch import tiny_model
+
     for spec, k, msg in [("bogus", 3, "unknown speculative proposer"), ("layers:30", 3, "fewer layers"),
-                         ("ngram", 0, "num_speculative_tokens"), (DraftModelProposer(model), 3, "one sequence")]:
+                         ("ngram", 0, "num_speculative_tokens"), ("draft:q5", 3, "unknown quantization"),
+                         ("ngram+layers:3", 3, "a cascade is"),
+                         (DraftModelProposer(tiny_model()), 3, "vocabulary")]:
         with pytest.raises(ValueError, match=msg):
             LLMEngine(model, tokenizer, kv_cache_memory=8 << 20, speculative=spec, num_speculative_tokens=k,
                       verbose=False)
@@ -164,3 +168,46 @@ def test_adaptive_speculation_keeps_every_requests_greedy_tokens(model, tokenize
     assert all(r.spec_control is None or 0 <= r.spec_control.alpha <= 1 for r in engine.requests.values())
     with pytest.raises(ValueError, match="speculative"):
         LLMEngine(model, tokenizer, num_blocks=8, adaptive_speculation=True, verbose=False)
+
+
+def draft_blocks_used(engine) -> int:
+    kv = engine.speculator.draft.kv
+    return kv.pool.num_blocks - kv.num_free_blocks
+
+
+def test_quantized_draft_model_under_preemption_and_abort(model, tokenizer, prompts, solo):
+    """The model's 4-bit copy drafts from a block pool of its own: staggered arrivals, a pool small enough to
+    preempt, chunked prompts and an abort; every other request keeps its solo greedy tokens, and both pools
+    are whole at the end (preemption and abort free the draft's blocks with the target's)."""
+    engine = LLMEngine(model, tokenizer, block_size=4, num_blocks=14, max_num_batched_tokens=6,
+                       speculative="draft:q4", num_speculative_tokens=3, verbose=False, enable_prefix_caching=False)
+    finals = run(engine, prompts, arrive_every=1, abort={2: 6})
+    assert finals[2].finish_reason == "abort"
+    check(engine, finals, solo, skip=(2,))
+    s = engine.stats()
+    assert s["num_preemptions"] > 0
+    assert s["spec_draft_tokens"] > s["spec_accepted_tokens"] > s["spec_draft_tokens"] // 2   # a close draft
+    assert engine.pool.num_free_blocks == engine.pool.num_blocks
+    assert draft_blocks_used(engine) == s["draft_kv_blocks_used"] == 0 and not engine.speculator.draft.seqs
+
+
+def test_draft_pool_prefix_cache_and_cascade(model, tokenizer, prompts, solo):
+    """With prefix caching the draft pool keeps blocks of accepted tokens: the same prompt again finds them
+    in both pools. 'ngram+draft:q4' looks up first and drafts with the model where the lookup finds nothing."""
+    engine = LLMEngine(model, tokenizer, block_size=4, kv_cache_memory=16 << 20, speculative="ngram+draft:q4",
+                       num_speculative_tokens=4, verbose=False)
+    finals = run(engine, prompts[:3], arrive_every=1)
+    check(engine, finals, solo[:3])
+    draft = engine.speculator.draft
+    assert draft.kv.prefix_cache_hits == 0 and not draft.seqs
+    again = run(engine, [prompts[2]])[0]
+    assert again.token_ids == solo[2] and draft.kv.prefix_cache_hits > 0
+    assert engine.stats()["spec_accepted_tokens"] > 0
+
+
+def test_sampled_draft_model_requests_are_seeded(model, tokenizer, prompts):
+    sampled = SamplingParams(temperature=0.8, top_p=0.9, max_tokens=12, seed=7, ignore_eos=True)
+    a, b = (run(LLMEngine(model, tokenizer, kv_cache_memory=16 << 20, speculative="draft:q4", verbose=False),
+                prompts[:2], sampled) for _ in range(2))
+    assert [a[i].token_ids for i in (0, 1)] == [b[i].token_ids for i in (0, 1)]
+    assert all(len(a[i].token_ids) == 12 for i in (0, 1))

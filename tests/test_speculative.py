@@ -147,11 +147,30 @@ def test_rollback_equals_never_seeing_the_drafts(stage):
                 torch.testing.assert_close(x, y, rtol=1e-4, atol=1e-4)
 
 
+@pytest.mark.parametrize("spec", ["draft:q4", "ngram+draft:int8"])
+def test_quantized_copy_drafts(model, tokenizer, refs, spec):
+    """The model's own quantized copy as the draft (alone, or after an n-gram lookup): the plain greedy
+    answer, most drafts accepted (the copy agrees with the model on most tokens)."""
+    for name in ("question", "passage"):
+        ids, ref = refs[name]
+        g = generate(model, tokenizer, ids, SamplingParams(max_tokens=40), stage="kv", speculative=spec,
+                     num_speculative_tokens=4)
+        assert g.token_ids == ref.token_ids and g.text == ref.text
+        assert g.acceptance_rate > 0.5
+    from minillm.speculative import quantized_copy
+
+    assert quantized_copy(model, "q4") is quantized_copy(model, "q4")      # made once per model and format
+    with pytest.raises(ValueError, match="already quantized"):
+        quantized_copy(quantized_copy(model, "int8"), "q4")
+
+
 def test_bad_speculative_settings(model, tokenizer, refs):
     ids, _ = refs["question"]
     for spec, k, stage, msg in [("bogus", 3, "kv", "unknown speculative proposer"),
                                 ("layers:30", 3, "kv", "fewer layers"),
                                 ("layers:x", 3, "kv", "bad speculative proposer"),
+                                ("draft:q3", 3, "kv", "unknown quantization"),
+                                ("draft+ngram", 3, "kv", "a cascade is"),
                                 ("ngram", 0, "kv", "num_speculative_tokens"),
                                 ("ngram", 3, "naive", "KV cache")]:
         with pytest.raises(ValueError, match=msg):

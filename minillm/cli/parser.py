@@ -54,9 +54,10 @@ def _add_sampling_args(p, max_tokens=128):
 
 
 def _add_speculative_args(p):
-    p.add_argument("--speculative", default=None, metavar="ngram|layers:N",
+    p.add_argument("--speculative", default=None, metavar="ngram|layers:N|draft:q4|ngram+draft:q4",
                    help="speculative decoding (stages kv, flash, paged, continuous): n-gram prompt lookup, "
-                        "or the model's first N layers as the draft")
+                        "the model's first N layers as the draft, the model's own quantized copy as the draft "
+                        "(draft:int8, draft:q4, draft:q4_file), or n-gram first and the copy when it finds nothing")
     p.add_argument("--num-speculative-tokens", type=int, default=4, metavar="K", help="drafts per step (default 4)")
     p.add_argument("--adaptive-speculation", action="store_true",
                    help="each sequence drafts 0..K tokens a step, where its acceptance and the measured cost of "

@@ -51,7 +51,7 @@ class EngineConfig:
     max_model_len: int | None = None        # None: the model's context
     attention: str = "auto"                 # "torch" (gathered pages + SDPA), "triton"; auto: triton on a GPU
     enable_prefix_caching: bool = True
-    speculative: object = None              # a proposer: "ngram", "layers:N" or a speculative.Proposer
+    speculative: object = None              # a proposer: "ngram", "layers:N", "draft:q4", "ngram+draft:q4", a Proposer
     num_speculative_tokens: int = 4
     adaptive_speculation: bool = False      # each request drafts 0..k a step where it pays (speculative/adaptive.py)
     kv_cache_dtype: str | None = None       # None (the model's dtype), "int8", "int4"
@@ -98,7 +98,8 @@ class LLMEngine:
                                                                           c.adaptive_speculation)
         self.scheduler = Scheduler(self.kv, c.max_num_seqs, c.max_num_batched_tokens, c.policy,
                                    c.enable_chunked_prefill, max_len=self.max_len,
-                                   num_speculative_tokens=c.num_speculative_tokens if self.speculator else 0)
+                                   num_speculative_tokens=c.num_speculative_tokens if self.speculator else 0,
+                                   draft=self.speculator.draft if self.speculator else None)
         self.requests: dict[str, Request] = {}
         self._aborted: list[Request] = []
         self.last_batch: ScheduledBatch | None = None
@@ -330,7 +331,9 @@ class LLMEngine:
                 "prefix_cache_queries": kv.prefix_cache_queries, "prefix_cache_hits": kv.prefix_cache_hits,
                 "prefix_cache_evictions": getattr(pool, "num_evictions", 0),
                 "spec_drafts": sp.num_drafts if sp else 0, "spec_draft_tokens": sp.num_draft_tokens if sp else 0,
-                "spec_accepted_tokens": sp.num_accepted_tokens if sp else 0}
+                "spec_accepted_tokens": sp.num_accepted_tokens if sp else 0,
+                "draft_kv_blocks_used": sp.draft.kv.pool.num_blocks - sp.draft.kv.num_free_blocks
+                if sp and sp.draft else 0}
 
 
 def _score_prompts(batch: ScheduledBatch, logits: torch.Tensor) -> None:

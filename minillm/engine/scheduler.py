@@ -108,13 +108,14 @@ class ScheduledBatch:
 class Scheduler:
     def __init__(self, kv: KVCacheManager, max_num_seqs: int = 64, max_num_batched_tokens: int = 512,
                  policy: str = "continuous", enable_chunked_prefill: bool = True,
-                 num_speculative_tokens: int = 0, max_len: int | None = None):
+                 num_speculative_tokens: int = 0, max_len: int | None = None, draft=None):
+        """draft: a draft model's cache (draft.py), freed with a request's own blocks."""
         if policy not in POLICIES:
             raise ValueError(f"policy must be one of {POLICIES}; got {policy!r}")
         if max_num_seqs < 1 or max_num_batched_tokens < 1:
             raise ValueError(f"max_num_seqs and max_num_batched_tokens must be >= 1; "
                              f"got {max_num_seqs}, {max_num_batched_tokens}")
-        self.kv, self.policy = kv, policy
+        self.kv, self.policy, self.draft = kv, policy, draft
         self.max_num_seqs, self.max_num_batched_tokens = max_num_seqs, max_num_batched_tokens
         self.chunked = enable_chunked_prefill
         self.num_speculative_tokens = num_speculative_tokens
@@ -131,7 +132,7 @@ class Scheduler:
         """Take a request out of the queues and give back its blocks (finished or aborted)."""
         if req in self.running:
             self.running.remove(req)
-            self.kv.free(req)
+            self._free(req)
         elif req in self.waiting:
             self.waiting.remove(req)
 
@@ -215,11 +216,16 @@ class Scheduler:
 
     def _preempt(self, req: Request) -> None:
         """Free the blocks; recompute prompt + output later. The output so far is kept."""
-        self.kv.free(req)
+        self._free(req)
         req.status, req.num_computed_tokens = Status.WAITING, 0
         req.num_preemptions += 1
         self.num_preemptions += 1
         self.waiting.appendleft(req)
+
+    def _free(self, req: Request) -> None:
+        self.kv.free(req)
+        if self.draft is not None:
+            self.draft.free(req)
 
     def _admit_static_batch(self) -> None:
         """Static batching: take up to max_num_seqs requests from the queue whose whole

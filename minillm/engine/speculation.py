@@ -2,8 +2,11 @@
 
     schedule  a decoding request gets room for 1 + k tokens (scheduler.py: drafts count against the budget)
     propose   drafts for each such request: n-gram lookup in its own tokens (any proposer that needs
-              nothing but the tokens works the same way), or a layer-skipping draft run for all at once (k passes of one token per request through the first N layers,
-              writing K/V into the pool: the target's layers < N would compute the same)
+              nothing but the tokens works the same way); a layer-skipping draft run for all at once (k
+              passes of one token per request through the first N layers, writing K/V into the pool: the
+              target's layers < N would compute the same); or a draft model with a block pool of its own
+              (draft.py: the model's quantized copy, `draft:q4`), also for all at once. `ngram+draft:q4`
+              looks up first and runs the draft model only for the requests the lookup found nothing for.
     execute   one forward pass over everything scheduled; logits at the sampled token and every draft
     verify    per request, the exact rule (speculative/verify.py): accepted drafts + one more token
     roll back num_computed_tokens covers the sampled token and the accepted drafts; blocks past it
@@ -16,11 +19,12 @@ from __future__ import annotations
 
 import torch
 
-from ..speculative import DraftModelProposer, LayerSkipProposer, make_proposer, target_probs
+from ..speculative import CascadeProposer, DraftModelProposer, LayerSkipProposer, make_proposer, target_probs
 from ..speculative.adaptive import AdaptiveK, StepCost
 from ..speculative.proposers import pick_draft
 from ..speculative import verify as verify_rule
 from ..speculative import verify_greedy
+from .draft import DraftModelCache
 from .request import Request
 from .scheduler import ScheduledBatch
 
@@ -32,9 +36,14 @@ class Speculator:
         if not isinstance(num_speculative_tokens, int) or num_speculative_tokens < 1:
             raise ValueError(f"num_speculative_tokens must be an integer >= 1; got {num_speculative_tokens!r}")
         self.proposer = make_proposer(proposer)
-        if isinstance(self.proposer, DraftModelProposer):
-            raise ValueError("a separate draft model keeps one sequence's cache: the engine drafts with 'ngram', "
-                             "'layers:N' or a proposer that needs only the token ids")
+        cascade = isinstance(self.proposer, CascadeProposer)
+        self.lookup = self.proposer.first if cascade else None           # tried first, for every request
+        drafter = self.proposer.second if cascade else self.proposer
+        self.draft = None                                                  # a draft model's own cache
+        if isinstance(drafter, DraftModelProposer):
+            kv = runner.kv
+            self.draft = DraftModelCache(drafter.draft_model(runner.model), runner, kv.pool.num_blocks,
+                                         kv.block_size, kv.prefix_caching)
         if isinstance(self.proposer, LayerSkipProposer):
             self.proposer.check(runner.model)
         self.runner, self.k = runner, num_speculative_tokens
@@ -53,14 +62,26 @@ class Speculator:
             return
         if isinstance(self.proposer, LayerSkipProposer):
             self._draft_layers([r for _, r, _ in todo], [s for _, _, s in todo])
+        elif self.draft is not None:
+            rest = todo
+            if self.lookup is not None:                                # n-gram first; the model for the rest
+                rest = [t for t in todo if not self._lookup(self.lookup, *t[1:])]
+            if rest:
+                self.draft.propose([r for _, r, _ in rest], [s for _, _, s in rest])
         else:
             for _, req, s in todo:
-                drafts, probs = self.proposer.propose(req.all_token_ids, s)
-                req.spec_token_ids, req.spec_probs = list(drafts)[:s], probs
-                if req.spec_control is not None:                      # fewer found: verify only if it pays
-                    req.spec_token_ids, req.spec_probs = req.spec_control.trim(req.spec_token_ids, probs, s)
+                self._lookup(self.proposer, req, s)
         for i, req, s in todo:
             batch.num_new_tokens[i] = 1 + len(req.spec_token_ids)
+
+    @staticmethod
+    def _lookup(proposer, req: Request, s: int) -> bool:
+        """Drafts from a proposer that needs only the tokens; whether it found any worth verifying."""
+        drafts, probs = proposer.propose(req.all_token_ids, s)
+        req.spec_token_ids, req.spec_probs = list(drafts)[:s], probs
+        if req.spec_control is not None:                               # fewer found: verify only if it pays
+            req.spec_token_ids, req.spec_probs = req.spec_control.trim(req.spec_token_ids, probs, s)
+        return bool(req.spec_token_ids)
 
     def _adapt(self, batch: ScheduledBatch, todo: list) -> list:
         """Each request's drafts for this step, 0..its slots, as its controller chooses; requests that

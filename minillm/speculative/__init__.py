@@ -7,8 +7,9 @@ one pass, and an exact rejection rule keeps as many as the model's own distribut
 
 The engine (stage 5) runs the same rule for many requests at once (`engine/`).
 """
-from .proposers import DraftModelProposer, LayerSkipProposer, NgramProposer, Proposer, lookup_ngram, make_proposer
+from .proposers import (CascadeProposer, DraftModelProposer, LayerSkipProposer, NgramProposer, Proposer, lookup_ngram,
+                        make_proposer, quantized_copy)
 from .verify import expected_tokens_per_step, predicted_speedup, target_probs, verify, verify_greedy
 
-__all__ = ["DraftModelProposer", "LayerSkipProposer", "NgramProposer", "Proposer", "expected_tokens_per_step",
-           "lookup_ngram", "make_proposer", "predicted_speedup", "target_probs", "verify", "verify_greedy"]
+__all__ = ["CascadeProposer", "DraftModelProposer", "LayerSkipProposer", "NgramProposer", "Proposer", "expected_tokens_per_step",
+           "lookup_ngram", "make_proposer", "predicted_speedup", "quantized_copy", "target_probs", "verify", "verify_greedy"]

@@ -15,8 +15,14 @@ A proposer may return fewer than k tokens, or none: then the step is a plain dec
   back, with no cache and no catch-up pass of its own.
 - `DraftModelProposer`: any model with the same vocabulary, with its own KV cache. Before each
   proposal it rolls its cache back to what the target accepted and runs the tokens it has not seen.
+  `draft:q4` (or int8, q4_file) is the target's own quantized copy: same tokenizer, same architecture,
+  and on a CPU a fraction of the float32 model's bytes to read per token.
+- `CascadeProposer`: n-gram lookup first (free), the draft model only when the lookup finds nothing.
 """
 from __future__ import annotations
+
+import copy
+import weakref
 
 import numpy as np
 import torch
@@ -117,18 +123,30 @@ class LayerSkipProposer(Proposer):
 
 
 class DraftModelProposer(Proposer):
-    def __init__(self, model, stage: str = "kv", name: str = "draft-model"):
-        self.model, self.stage, self.name = model, stage, name
+    def __init__(self, model=None, stage: str = "kv", name: str = "draft-model", quant: str | None = None):
+        """model: the draft; or quant ("int8", "q4", "q4_file"): the target's own quantized copy, made when
+        the proposer first meets the target (`quantized_copy`)."""
+        if (model is None) == (quant is None):
+            raise ValueError("give the draft model, or quant= to draft with the model's quantized copy")
+        if quant is not None:
+            from ..quant import check_format
+
+            check_format(quant)
+            name = f"draft:{quant}"
+        self.model, self.quant, self.stage, self.name = model, quant, stage, name
+
+    def draft_model(self, target):
+        return self.model if self.model is not None else quantized_copy(target, self.quant)
 
     def relative_cost(self, target) -> float:
         size = lambda m: sum(p.numel() * p.element_size() for p in m.state_dict().values())   # noqa: E731
-        return size(self.model) / size(target)            # decoding is bound by the bytes it reads
+        return size(self.draft_model(target)) / size(target)     # decoding is bound by the bytes it reads
 
     def start(self, runner, params, generator) -> None:
         from ..stages import make_runner
 
         super().start(runner, params, generator)
-        self.draft = make_runner(self.model, self.stage, max_len=runner.max_len)
+        self.draft = make_runner(self.draft_model(runner.model), self.stage, max_len=runner.max_len)
         self.seen: list[int] = []               # tokens whose K/V the draft's cache holds
 
     def propose(self, token_ids, k):
@@ -157,12 +175,57 @@ class DraftModelProposer(Proposer):
         return drafts, None if self.params.greedy else torch.stack(qs)
 
 
+class CascadeProposer(Proposer):
+    """Cheap first: `first`'s drafts when it has any (an n-gram lookup costs nothing), else `second`'s."""
+
+    def __init__(self, first: Proposer, second: Proposer):
+        self.first, self.second = first, second
+        self.name = f"{first.name}+{second.name}"
+
+    def relative_cost(self, target) -> float:
+        return self.second.relative_cost(target)          # the dearer one prices a step
+
+    def start(self, runner, params, generator) -> None:
+        self.first.start(runner, params, generator)
+        self.second.start(runner, params, generator)
+
+    def propose(self, token_ids, k):
+        drafts, q = self.first.propose(token_ids, k)
+        return (drafts, q) if len(drafts) else self.second.propose(token_ids, k)
+
+
+_copies: weakref.WeakKeyDictionary = weakref.WeakKeyDictionary()     # model -> {format: its quantized copy}
+
+
+def quantized_copy(model, quant: str):
+    """The model with its weights quantized to `quant`, made once per model and format: a draft that agrees
+    with the model on most tokens and reads a fraction of its bytes. "int8", "q4" and "w8a8" (no SmoothQuant
+    scales) quantize the model's own weights; "q4_file" takes the course model's GGUF blocks."""
+    from ..quant import check_format, quantize_model
+
+    check_format(quant)
+    if model.quant:
+        raise ValueError(f"the model is already quantized ({model.quant}): a quantized draft of it would not be cheaper")
+    copies = _copies.setdefault(model, {})
+    if quant not in copies:
+        copies[quant] = quantize_model(copy.deepcopy(model), quant, progress=False)
+    return copies[quant]
+
+
 def make_proposer(spec) -> Proposer:
-    """'ngram', 'ngram:MIN-MAX', 'layers:N', or a Proposer (returned as is)."""
+    """'ngram', 'ngram:MIN-MAX', 'layers:N', 'draft:FORMAT' (the model's quantized copy: FORMAT is int8, q4
+    or q4_file), 'ngram+draft:FORMAT' (n-gram first), or a Proposer (returned as is)."""
     if isinstance(spec, Proposer):
         return spec
+    first, plus, rest = str(spec).partition("+")
+    if plus:
+        if not rest.startswith("draft:"):
+            raise ValueError(f"bad speculative proposer {spec!r}: a cascade is 'ngram+draft:FORMAT'")
+        return CascadeProposer(make_proposer(first), make_proposer(rest))
     kind, _, arg = str(spec).partition(":")
     try:
+        if kind == "draft" and arg:
+            return DraftModelProposer(quant=arg)
         if kind == "ngram":
             if not arg:
                 return NgramProposer()
@@ -172,5 +235,6 @@ def make_proposer(spec) -> Proposer:
             return LayerSkipProposer(int(arg))
     except ValueError as e:
         raise ValueError(f"bad speculative proposer {spec!r}: {e}") from None
-    raise ValueError(f"unknown speculative proposer {spec!r}: use 'ngram', 'ngram:MIN-MAX' or 'layers:N' "
-                     f"(N = how many of the model's layers the draft runs)")
+    raise ValueError(f"unknown speculative proposer {spec!r}: use 'ngram', 'ngram:MIN-MAX', 'layers:N' "
+                     f"(N = how many of the model's layers the draft runs), 'draft:q4' (or int8, q4_file: the "
+                     f"model's quantized copy) or 'ngram+draft:q4'")
