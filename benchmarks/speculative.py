@@ -25,12 +25,17 @@ CONFIGS = [("ngram", 2), ("ngram", 4), ("ngram", 8), ("layers:24", 2), ("layers:
 ADAPTIVE = [("ngram", 4), ("ngram", 4, "adaptive"), ("ngram", 8, "adaptive"), ("layers:24", 4, "adaptive")]
 
 
+# --draft: the model's quantized copy as the draft (speculative/proposers.py), alone and after n-gram lookup
+DRAFT = [("ngram", 4), ("draft:q4", 3), ("draft:q4", 5), ("draft:int8", 4), ("ngram+draft:q4", 5),
+         ("draft:q4", 6, "adaptive")]
+
 ENGINE = [(None, 0), ("ngram", 4), ("ngram", 4, "adaptive")]
+ENGINE_DRAFT = [(None, 0), ("draft:q4", 4), ("ngram+draft:q4", 4), ("draft:q4", 4, "adaptive")]
 
 
-def engine_runs(model, tok, tasks, batches: list[int], max_tokens: int, repeats: int) -> list[dict]:
-    """The serving engine over all task prompts at once, at each max_num_seqs in `batches`: no speculation,
-    n-gram k = 4, and adaptive n-gram (k <= 4), taking turns `repeats` times; output tokens per second (median)."""
+def engine_runs(model, tok, tasks, batches: list[int], max_tokens: int, repeats: int, systems=ENGINE) -> list[dict]:
+    """The serving engine over all task prompts at once, at each max_num_seqs in `batches`: each of `systems`
+    (no speculation first) taking turns `repeats` times; output tokens per second (median)."""
     import statistics
     import time
 
@@ -43,7 +48,7 @@ def engine_runs(model, tok, tasks, batches: list[int], max_tokens: int, repeats:
     for b in batches:
         engines = {i: LLM(model, tok, max_num_seqs=b, speculative=spec, num_speculative_tokens=k or 4,
                           adaptive_speculation="adaptive" in mode, verbose=False)
-                   for i, (spec, k, *mode) in enumerate(ENGINE)}
+                   for i, (spec, k, *mode) in enumerate(systems)}
         rates: dict[int, list[float]] = {i: [] for i in engines}
         ids: dict[int, list] = {}
         for _ in range(repeats):
@@ -53,7 +58,7 @@ def engine_runs(model, tok, tasks, batches: list[int], max_tokens: int, repeats:
                 rates[i].append(sum(len(o.token_ids) for o in outs) / (time.perf_counter() - t0))
                 ids[i] = [o.token_ids for o in outs]
         base = statistics.median(rates[0])
-        for i, (spec, k, *mode) in enumerate(ENGINE):
+        for i, (spec, k, *mode) in enumerate(systems):
             stats = engines[i].engine.stats()
             rows.append({"max_num_seqs": b, "system": " ".join(filter(None, [spec or "plain", *mode])), "k": k,
                          "output_tokens_per_s": statistics.median(rates[i]), "speedup": statistics.median(rates[i]) / base,
@@ -72,25 +77,28 @@ def main():
     ap.add_argument("--out", default=None, help="default results/cpu_speculative.json "
                                                  "(with --adaptive: results/cpu_speculative_adaptive.json)")
     ap.add_argument("--adaptive", action="store_true", help="adaptive k against fixed k (the ADAPTIVE configs)")
+    ap.add_argument("--draft", action="store_true", help="the quantized copy as the draft (the DRAFT configs)")
     ap.add_argument("--per-task", type=int, default=None, help="only the first N prompts of each task type")
     ap.add_argument("--repeats", type=int, default=1, help="turns per prompt; tokens/s is the median (default 1)")
     ap.add_argument("--engine", default=None, metavar="B,B,...",
-                    help="with --adaptive: also the serving engine over all the prompts at these max_num_seqs")
+                    help="with --adaptive or --draft: also the serving engine over all the prompts at these "
+                         "max_num_seqs")
     args = ap.parse_args()
-    args.out = args.out or str(Path(__file__).parent / "results" /
-                               ("cpu_speculative_adaptive.json" if args.adaptive else "cpu_speculative.json"))
+    name = "cpu_speculative_draft.json" if args.draft else \
+        "cpu_speculative_adaptive.json" if args.adaptive else "cpu_speculative.json"
+    args.out = args.out or str(Path(__file__).parent / "results" / name)
     if args.threads:
         torch.set_num_threads(args.threads)
     model, tok = minillm.load_model(), minillm.load_tokenizer()
     tasks = [json.loads(line) for line in open(args.tasks)]
     if args.per_task:
         tasks = [t for i, t in enumerate(tasks) if [u["task"] for u in tasks[:i]].count(t["task"]) < args.per_task]
-    configs = ADAPTIVE if args.adaptive else CONFIGS
+    configs = DRAFT if args.draft else ADAPTIVE if args.adaptive else CONFIGS
     costs = pass_costs(model)
-    c = {n: draft_cost(model, n) for n in (15, 24)}
+    c = {n: draft_cost(model, n) for n in ((15, 24) if not args.draft else ("q4", "int8"))}
     rows = run_tasks(model, tok, tasks, configs, max_tokens=args.max_tokens, repeats=args.repeats)
     engine = engine_runs(model, tok, tasks, [int(b) for b in args.engine.split(",")], args.max_tokens,
-                         args.repeats) if args.engine else None
+                         args.repeats, ENGINE_DRAFT if args.draft else ENGINE) if args.engine else None
     info = machine_info()
     result = {"machine": info["cpu"], "gpu": info["gpu"], "torch": info["torch"], "threads": info["threads"],
               "dtype": "float32", "max_tokens": args.max_tokens, "configs": configs, "repeats": args.repeats,
@@ -100,7 +108,7 @@ def main():
     for s in result["summary"]:
         print(f"{s['task']:10s} {s['system']:19s} k={s['k']}  x{s['speedup_median']:.2f}  "
               f"acceptance {s['acceptance_rate']:.0%}  {s['mean_accepted_tokens']:.2f}/pass  same={s['all_same']}")
-    print(f"pass cost vs 1 token: " + ", ".join(f"{T}: {t / costs[1]:.2f}" for T, t in costs.items()))
+    print("pass cost vs 1 token: " + ", ".join(f"{T}: {t / costs[1]:.2f}" for T, t in costs.items()))
     print(f"draft cost ratio c: {c}  ({info['cpu']}, {info['threads']} threads)")
 
 

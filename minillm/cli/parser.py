@@ -9,10 +9,16 @@ class _Parser(argparse.ArgumentParser):
         self.exit(2, f"{self.prog}: error: {message} (see --help)\n")
 
 
-def _add_model_args(p, stage: bool = True):
+def _add_model_args(p, stage: bool = True, many: bool = False):
     from ..generate import ALL_STAGES
 
-    p.add_argument("--model", default=None, help="a .gguf file or Hugging Face folder (default: the course model)")
+    if many:
+        p.add_argument("--model", action="append", default=None, metavar="[NAME=]PATH[:quant=FMT]",
+                       help="a .gguf file or Hugging Face folder (default: the course model); repeat as NAME=PATH to "
+                            "serve several models, each with its own engine (PATH may be empty: the course model; "
+                            ":quant=q4 quantizes that one)")
+    else:
+        p.add_argument("--model", default=None, help="a .gguf file or Hugging Face folder (default: the course model)")
     if stage:
         p.add_argument("--stage", default="naive", choices=ALL_STAGES, help="which engine stage generates")
     p.add_argument("--threads", type=int, default=None, help="torch CPU threads (default: torch's choice)")
@@ -104,7 +110,12 @@ def build_parser() -> argparse.ArgumentParser:
                     help="tokens a request without max_tokens may generate (default 1024; never past the context)")
     se.add_argument("--graceful-timeout", type=float, default=30.0,
                     help="seconds running answers get to finish on shutdown (default 30)")
-    _add_model_args(se, stage=False)
+    se.add_argument("--route-threshold", type=float, default=None, metavar="T",
+                    help="with two --model NAME=...: also serve model 'auto', answered by the first model and by the "
+                         "last when the answer's confidence is below T (mean token log-probability, e.g. -0.5)")
+    se.add_argument("--route-signal", default="mean", choices=["mean", "min", "entropy"],
+                    help="the confidence 'auto' reads (default mean; see minillm/routing.py)")
+    _add_model_args(se, stage=False, many=True)
     _add_speculative_args(se)
 
     co = sub.add_parser("course", help="open the course notebooks in JupyterLab")

@@ -2,7 +2,8 @@
 
     pass_costs(model, context, max_tokens)    time of one pass over 1..T new tokens after a context,
                                               relative to one token: is a (k + 1)-token pass "free"?
-    draft_cost(model, n_layers, context)      one layer-skipping draft step / one full decode step
+    draft_cost(model, draft, context)         one draft step (the first N layers, or the model's quantized
+                                              copy) / one full decode step
     run_tasks(model, tok, tasks, configs)     per prompt: plain kv decoding and each proposer, alternated
                                               in one run; tokens/s, acceptance, tokens per pass, exactness
     predicted_run_speedup(row, costs, ratios) what a run's counters predict, priced with the measured costs
@@ -44,18 +45,27 @@ def pass_costs(model, context: int = 200, max_tokens: int = 9, repeats: int = 7)
     return {T: statistics.median(ts) for T, ts in times.items()}
 
 
-def draft_cost(model, n_layers: int, context: int = 200, repeats: int = 9) -> float:
-    """c: one draft step through the first n_layers layers (and the head) / one full decode step."""
-    runner = _runner_after(model, context, context + 2)
+def draft_cost(model, draft: int | str, context: int = 200, repeats: int = 9) -> float:
+    """c: one draft step / one full decode step. draft: N (the first N layers and the head) or a
+    quantization format ("q4", "int8": the model's quantized copy, `speculative.quantized_copy`)."""
+    from ..speculative import quantized_copy
 
-    def step(n):
-        runner.extend([123], n_layers=n)
-        runner.truncate(context)
+    runners = {"target": _runner_after(model, context, context + 2)}
+    if isinstance(draft, str):
+        runners["draft"] = _runner_after(quantized_copy(model, draft), context, context + 2)
+    layers = {"target": None, "draft": None if isinstance(draft, str) else draft}
+
+    def step(who):
+        r = runners.get(who, runners["target"])
+        r.extend([123], n_layers=layers[who])
+        r.truncate(context)
+    for who in layers:                          # warm-up
+        step(who)
     times = {}
     for _ in range(repeats):                    # alternate, so a slow patch hits both
-        for n in (n_layers, None):
-            times.setdefault(n, []).append(median_time(lambda: step(n), repeats=1, warmup=0))
-    return statistics.median(times[n_layers]) / statistics.median(times[None])
+        for who in layers:
+            times.setdefault(who, []).append(median_time(lambda: step(who), repeats=1, warmup=0))
+    return statistics.median(times["draft"]) / statistics.median(times["target"])
 
 
 def run_tasks(model, tokenizer, tasks: list[dict], configs: list[tuple[str, int]], max_tokens: int = 128,
@@ -122,7 +132,8 @@ def predicted_run_speedup(row: dict, pass_cost_s: dict, draft_cost_ratio: dict) 
     row               one run of `run_tasks`: tokens, spec_drafts (verification passes), spec_draft_tokens,
                       spec_accepted_tokens, system ("ngram", "layers:N", ...)
     pass_cost_s       {tokens in a pass: seconds} (`pass_costs`); a pass over d + 1 tokens is interpolated
-    draft_cost_ratio  {N: a draft step of the first N layers / a decode step} (`draft_cost`); n-gram: free
+    draft_cost_ratio  {N or format: a draft step of the first N layers, or of the quantized copy, / a decode
+                      step} (`draft_cost`); n-gram: free (after "ngram+", every draft is priced as the copy's)
 
     The run emits tokens - 1 tokens after the first; every pass emits 1 + its accepted drafts, so it made
     tokens - 1 - accepted passes: spec_drafts of them verify drafts (their width: drafted / spec_drafts + 1),
@@ -133,6 +144,7 @@ def predicted_run_speedup(row: dict, pass_cost_s: dict, draft_cost_ratio: dict) 
     emitted = row["tokens"] - 1
     passes, verifies = emitted - row["spec_accepted_tokens"], row["spec_drafts"]
     width = row["spec_draft_tokens"] / max(verifies, 1) + 1
-    draft = {f"layers:{n}": r for n, r in draft_cost_ratio.items()}.get(row["system"].split()[0], 0.0)
+    ratios = {(f"layers:{n}" if str(n).isdigit() else f"draft:{n}"): r for n, r in draft_cost_ratio.items()}
+    draft = ratios.get(row["system"].split()[0].split("+")[-1], 0.0)
     steps = (passes - verifies) + verifies * relative(width) + draft * row["spec_draft_tokens"]
     return emitted / steps

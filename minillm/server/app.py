@@ -1,6 +1,6 @@
-"""The HTTP routes: OpenAI's API in front of one AsyncEngine.
+"""The HTTP routes: OpenAI's API in front of one AsyncEngine per model served.
 
-    GET  /v1/models             the model served (and /v1/models/{id})
+    GET  /v1/models             the models served (and /v1/models/{id})
     POST /v1/completions        prompt (text or token ids, one or a list) -> text; with echo and
                                 logprobs, the prompt scored token by token (what lm-eval asks)
     POST /v1/chat/completions   messages -> the assistant's answer
@@ -8,6 +8,11 @@
     GET  /tokenizer_info        the special tokens and context length (vLLM's; lm-eval reads it)
     GET  /health                200 while the engine thread runs (no API key needed)
     GET  /metrics               Prometheus text (metrics.py)
+
+A request goes to the model its `model` field names. A server with a routing policy
+(`routing.RoutePolicy`) also serves `"auto"`: the cheap model answers, and when its answer's confidence
+is below the threshold the exact model answers instead (a streamed answer is held until that is known).
+The response's `model` says which one answered.
 
 `"stream": true` answers with server-sent events: one `data: {chunk}` per new piece of text and
 `data: [DONE]` at the end. A client that goes away mid-answer aborts its request: the engine frees
@@ -17,6 +22,7 @@ touches another request.
 from __future__ import annotations
 
 import asyncio
+import dataclasses
 import json
 import secrets
 import time
@@ -29,6 +35,7 @@ from pydantic import ValidationError
 from starlette.exceptions import HTTPException as StarletteHTTPException
 
 from .. import structured
+from ..routing import TOP_LOGPROBS, RoutePolicy
 from ..sampling import SamplingParams, check_vocab
 from . import tools as tool_calls
 from .async_engine import AsyncEngine, QueueFull
@@ -40,7 +47,7 @@ MAX_TOKENS_DEFAULT = 1024     # a request without max_tokens stops here (--max-t
 
 
 class _API:
-    """The routes of one server: an engine in its thread, the name it serves, its tokenizer."""
+    """The routes of one model: an engine in its thread, the name it serves, its tokenizer."""
 
     def __init__(self, engine, aengine: AsyncEngine, model_name: str, metrics, max_tokens_default: int):
         self.engine, self.aengine, self.model_name, self.metrics = engine, aengine, model_name, metrics
@@ -48,24 +55,9 @@ class _API:
         self.tok = engine.tokenizer
 
     # ------------------------------------------------------------ simple routes
-    async def health(self):
-        if not self.aengine.healthy:
-            return JSONResponse(APIError(503, f"the engine is not running: {self.aengine.error!r}").body(), 503)
-        return {"status": "ok"}
-
-    async def get_metrics(self):
-        return Response(self.metrics.render(), media_type="text/plain; version=0.0.4; charset=utf-8")
-
     def _card(self) -> dict:
         return {"id": self.model_name, "object": "model", "created": int(time.time()), "owned_by": "minillm",
                 "max_model_len": self.engine.max_len}
-
-    async def models(self):
-        return {"object": "list", "data": [self._card()]}
-
-    async def model(self, model_id: str):
-        self._model_check(model_id)
-        return self._card()
 
     async def tokenizer_info(self):
         tok = self.tok
@@ -75,10 +67,7 @@ class _API:
                 "eos_token": piece(tok.eos_id), "pad_token": None,
                 "stop_tokens": sorted(tok.id_to_piece(i) for i in tok.stop_ids)}
 
-    async def tokenize(self, request: Request):
-        body = await _parse(request, TokenizeRequest)
-        if body.model is not None:
-            self._model_check(body.model)
+    async def tokenize(self, body: TokenizeRequest):
         if (body.prompt is None) == (body.messages is None):
             raise APIError(400, "give either 'prompt' (a text) or 'messages' (a chat), not both or neither", "prompt")
         ids = self.tok.encode(body.prompt) if body.prompt is not None else \
@@ -86,10 +75,7 @@ class _API:
         return {"count": len(ids), "max_model_len": self.engine.max_len, "tokens": ids,
                 "token_strs": [self.tok.id_to_piece(i) for i in ids] if body.return_token_strs else None}
 
-    async def detokenize(self, request: Request):
-        body = await _parse(request, DetokenizeRequest)
-        if body.model is not None:
-            self._model_check(body.model)
+    async def detokenize(self, body: DetokenizeRequest):
         try:
             return {"prompt": self.tok.decode(body.tokens)}
         except ValueError as e:
@@ -105,23 +91,22 @@ class _API:
             raise APIError(400, str(e), "messages") from None
 
     # ------------------------------------------------------------ generation routes
-    async def completions(self, request: Request):
-        body = await _parse(request, CompletionRequest)
+    async def completions(self, request: Request, body: CompletionRequest, gate=None):
+        """gate: the router's check of the finished answer (see _run)."""
         prompts = body.prompt if isinstance(body.prompt, list) and body.prompt and \
             isinstance(body.prompt[0], (str, list)) else [body.prompt]
         self._before_tokenizing(body, len(prompts), [p for p in prompts if isinstance(p, str)], "prompt")
         ids = [self.tok.encode(p) if isinstance(p, str) else p for p in prompts]
         texts = [p if isinstance(p, str) else None for p in prompts]     # echo: the prompt as it was sent
-        return await self._run(request, body, ids, chat=False, texts=texts)
+        return await self._run(request, body, ids, chat=False, texts=texts, gate=gate)
 
-    async def chat_completions(self, request: Request):
-        body = await _parse(request, ChatRequest)
+    async def chat_completions(self, request: Request, body: ChatRequest, gate=None):
         if not body.messages:
             raise APIError(400, "'messages' is empty: give at least one message", "messages")
         self._before_tokenizing(body, 1, ["".join(m.text() for m in body.messages)], "messages")
         tools, choice = self._tools(body)
         return await self._run(request, body, [self._chat_ids(body.messages, tools=tools if choice else None)],
-                               chat=True, grammar=self._grammar(body, tools, choice), tools=bool(choice))
+                               chat=True, grammar=self._grammar(body, tools, choice), tools=bool(choice), gate=gate)
 
     @staticmethod
     def _tools(body) -> tuple[list[dict] | None, str | None]:
@@ -160,9 +145,8 @@ class _API:
 
     # ------------------------------------------------------------ the work
     def _before_tokenizing(self, body, num_prompts: int, texts: list[str], param: str) -> None:
-        """What can be refused before any text is tokenized: another model's name, too many sequences, and a
-        text too long for the context whatever its tokens (a token covers at most max_token_bytes bytes)."""
-        self._model_check(body.model)
+        """What can be refused before any text is tokenized: too many sequences, and a text too long for the
+        context whatever its tokens (a token covers at most max_token_bytes bytes)."""
         most = self.engine.scheduler.max_num_seqs
         if not 1 <= body.n * num_prompts <= most:       # every choice is a sequence of its own
             raise APIError(400, f"'n' x prompts must be in [1, {most}] (the sequences the server runs at once); "
@@ -174,11 +158,6 @@ class _API:
                 raise APIError(400, f"this model's context is {limit} tokens and the {param} has {size} bytes of "
                                     f"text, at least {-(-size // per_token)} tokens (a token covers at most "
                                     f"{per_token} bytes); shorten it", param, "context_length_exceeded")
-
-    def _model_check(self, model: str) -> None:
-        if model != self.model_name:
-            raise APIError(404, f"the model '{model}' does not exist; this server has '{self.model_name}' "
-                                f"(GET /v1/models)", "model", "model_not_found")
 
     def _params(self, body, prompt_len: int, chat: bool, grammar: str | None = None) -> SamplingParams:
         max_tokens = body.max_completion_tokens if chat and body.max_completion_tokens is not None else body.max_tokens
@@ -231,12 +210,17 @@ class _API:
             raise APIError(400, msg, param) from None
 
     async def _run(self, request: Request, body, prompts: list[list[int]], chat: bool, texts=None,
-                   grammar: str | None = None, tools: bool = False):
+                   grammar: str | None = None, tools: bool = False, gate=None):
+        """gate(request, outputs): when given, the whole answer is made first (with the log-probabilities the
+        router reads) and gate says whether to send it (it returns the outputs again) or not (None: this
+        returns None, for another model to answer)."""
         if not chat:
             grammar = self._grammar(body)
         if not prompts or not all(prompts):
             raise APIError(400, "the prompt is empty: give at least one token", "prompt")
         params = [self._params(body, len(p), chat, grammar) for p in prompts]
+        if gate is not None:
+            params = [p if p.logprobs is not None else dataclasses.replace(p, logprobs=TOP_LOGPROBS) for p in params]
         for p in prompts:
             try:
                 self.engine.check_prompt(p)
@@ -255,12 +239,98 @@ class _API:
         if not chat and body.echo:           # per choice: the prompt's text and ids
             echo = [(t if t is not None else self.tok.decode(p), p) for p, t in zip(prompts, texts) for _ in range(body.n)]
         shape = _Shape(rid, self.model_name, chat, self.tok, sum(map(len, prompts)), echo,
-                       not chat and body.logprobs is not None, tools)
+                       bool(body.logprobs) if chat else body.logprobs is not None, tools)
+        outs = _merge(streams)
+        if gate is not None and (outs := await gate(request, outs)) is None:
+            return None
         if body.stream:
             opts = body.stream_options
             usage = "every" if opts and opts.continuous_usage_stats else "end" if opts and opts.include_usage else None
-            return StreamingResponse(_sse(shape, _merge(streams), index, usage), media_type="text/event-stream")
-        return await _whole(request, shape, _merge(streams), index)
+            return StreamingResponse(_sse(shape, outs, index, usage), media_type="text/event-stream")
+        return await _whole(request, shape, outs, index)
+
+
+class _Server:
+    """The routes of a server: each request to the model its 'model' field names, or through the router."""
+
+    def __init__(self, apis: dict[str, _API], metrics, route: RoutePolicy | None):
+        self.apis, self.metrics, self.route = apis, metrics, route
+        self.default = next(iter(apis.values()))
+
+    async def health(self):
+        for api in self.apis.values():
+            if not api.aengine.healthy:
+                return JSONResponse(APIError(503, f"the engine of '{api.model_name}' is not running: "
+                                                  f"{api.aengine.error!r}").body(), 503)
+        return {"status": "ok"}
+
+    async def get_metrics(self):
+        return Response(self.metrics.render(), media_type="text/plain; version=0.0.4; charset=utf-8")
+
+    def _cards(self) -> list[dict]:
+        cards = [api._card() for api in self.apis.values()]
+        if self.route is not None:
+            r = self.route
+            cards.append({**self.apis[r.cheap]._card(), "id": r.name, "routing": {
+                "cheap": r.cheap, "exact": r.exact, "signal": r.signal, "threshold": r.threshold}})
+        return cards
+
+    async def models(self):
+        return {"object": "list", "data": self._cards()}
+
+    async def model(self, model_id: str):
+        for card in self._cards():
+            if card["id"] == model_id:
+                return card
+        self._pick(model_id)                          # (the error)
+
+    async def tokenizer_info(self):
+        return await self.default.tokenizer_info()
+
+    def _pick(self, model: str | None) -> _API:
+        """The model a request names (tokenize and detokenize may leave it out: the first model's tokenizer)."""
+        if model is None:
+            return self.default
+        if model in self.apis:
+            return self.apis[model]
+        if self.route is not None and model == self.route.name:
+            return self.apis[self.route.cheap]
+        names = ", ".join(f"'{c['id']}'" for c in self._cards())
+        raise APIError(404, f"the model '{model}' does not exist; this server has {names} (GET /v1/models)",
+                       "model", "model_not_found")
+
+    async def tokenize(self, request: Request):
+        body = await _parse(request, TokenizeRequest)
+        return await self._pick(body.model).tokenize(body)
+
+    async def detokenize(self, request: Request):
+        body = await _parse(request, DetokenizeRequest)
+        return await self._pick(body.model).detokenize(body)
+
+    async def completions(self, request: Request):
+        return await self._answer(request, await _parse(request, CompletionRequest), chat=False)
+
+    async def chat_completions(self, request: Request):
+        return await self._answer(request, await _parse(request, ChatRequest), chat=True)
+
+    async def _answer(self, request: Request, body, chat: bool):
+        run = lambda api, **kw: (api.chat_completions if chat else api.completions)(request, body, **kw)  # noqa: E731
+        if self.route is None or body.model != self.route.name:
+            return await run(self._pick(body.model))
+        r = self.route                                    # "auto": the cheap model, the exact one if unsure
+        answer = await run(self.apis[r.cheap], gate=self._gate)
+        self.metrics.routed.labels(r.name, r.cheap if answer is not None else r.exact).inc()
+        return answer if answer is not None else await run(self.apis[r.exact])
+
+    async def _gate(self, request: Request, outs):
+        """The cheap model's whole answer: sent (replayed) if it is sure enough or failed, else None."""
+        got = await _collect(request, outs)
+        if got is None:
+            raise APIError(499, "the client closed the connection")
+        finals = [o for o in got if o.finished]
+        if any(_failed(o) is not None for o in finals) or self.route.confident(finals):
+            return _replay(got)
+        return None
 
 
 async def _api_error(request, e: APIError):
@@ -289,38 +359,53 @@ def _key_check(api_key: str | None):
     return check_key
 
 
-def create_app(engine, model_name: str, api_key: str | None = None, max_queued_requests: int | None = None,
-               metrics=None, max_tokens_default: int = MAX_TOKENS_DEFAULT) -> FastAPI:
-    """engine: an LLMEngine (its thread starts with the app). metrics: a ServerMetrics, or None for a new one.
-    max_tokens_default: the most tokens a request without max_tokens gets (one request cannot hold the
-    engine to the end of the context)."""
+def create_app(engine, model_name: str | None = None, api_key: str | None = None,
+               max_queued_requests: int | None = None, metrics=None, max_tokens_default: int = MAX_TOKENS_DEFAULT,
+               route: RoutePolicy | None = None) -> FastAPI:
+    """engine: an LLMEngine served as model_name, or {name: LLMEngine} for several models (each engine's
+    thread starts with the app). metrics: a ServerMetrics, or None for a new one. max_tokens_default: the
+    most tokens a request without max_tokens gets (one request cannot hold the engine to the end of the
+    context). route: also serve route.name ("auto"), routed between two of the models."""
     from .metrics import ServerMetrics
 
-    metrics = metrics or ServerMetrics(model_name)
-    aengine = AsyncEngine(engine, metrics, max_queued_requests)
-    api = _API(engine, aengine, model_name, metrics, max_tokens_default)
+    engines = dict(engine) if isinstance(engine, dict) else {model_name: engine}
+    if not engines or not all(isinstance(n, str) and n for n in engines):
+        raise ValueError(f"every model served needs a name; got {list(engines)}")
+    if route is not None and ({route.cheap, route.exact} - set(engines) or route.name in engines):
+        raise ValueError(f"the routing policy routes '{route.name}' between '{route.cheap}' and '{route.exact}': both "
+                         f"must be served ({', '.join(engines)}) and '{route.name}' must not be")
+    first = next(iter(engines))
+    metrics = metrics or ServerMetrics(first)
+    apis = {}
+    for name, eng in engines.items():
+        m = metrics if name == first else ServerMetrics(name, share=metrics)
+        apis[name] = _API(eng, AsyncEngine(eng, m, max_queued_requests), name, m, max_tokens_default)
+    server = _Server(apis, metrics, route)
 
     @asynccontextmanager
     async def lifespan(app):
-        aengine.start()
+        for api in apis.values():
+            api.aengine.start()
         yield
-        aengine.stop()
+        for api in apis.values():
+            api.aengine.stop()
 
     app = FastAPI(title="minillm", lifespan=lifespan)
-    app.state.engine, app.state.metrics = aengine, metrics
+    app.state.engine, app.state.metrics = apis[first].aengine, metrics
+    app.state.engines = {name: api.aengine for name, api in apis.items()}
     app.add_exception_handler(APIError, _api_error)
     app.add_exception_handler(StarletteHTTPException, _http_error)
-    app.get("/health")(api.health)
+    app.get("/health")(server.health)
     keyed = {"dependencies": [Depends(_key_check(api_key))]}
-    app.get("/metrics", **keyed)(api.get_metrics)
-    app.get("/v1/models", **keyed)(api.models)
-    app.get("/v1/models/{model_id:path}", **keyed)(api.model)
-    app.get("/tokenizer_info", **keyed)(api.tokenizer_info)
+    app.get("/metrics", **keyed)(server.get_metrics)
+    app.get("/v1/models", **keyed)(server.models)
+    app.get("/v1/models/{model_id:path}", **keyed)(server.model)
+    app.get("/tokenizer_info", **keyed)(server.tokenizer_info)
     bodies, components = openapi_bodies(TokenizeRequest, DetokenizeRequest, CompletionRequest, ChatRequest)
-    app.post("/tokenize", **keyed, openapi_extra=bodies[TokenizeRequest])(api.tokenize)
-    app.post("/detokenize", **keyed, openapi_extra=bodies[DetokenizeRequest])(api.detokenize)
-    app.post("/v1/completions", **keyed, openapi_extra=bodies[CompletionRequest])(api.completions)
-    app.post("/v1/chat/completions", **keyed, openapi_extra=bodies[ChatRequest])(api.chat_completions)
+    app.post("/tokenize", **keyed, openapi_extra=bodies[TokenizeRequest])(server.tokenize)
+    app.post("/detokenize", **keyed, openapi_extra=bodies[DetokenizeRequest])(server.detokenize)
+    app.post("/v1/completions", **keyed, openapi_extra=bodies[CompletionRequest])(server.completions)
+    app.post("/v1/chat/completions", **keyed, openapi_extra=bodies[ChatRequest])(server.chat_completions)
     plain_openapi = app.openapi
 
     def openapi():                      # the bodies' schemas beside the routes that name them
@@ -380,8 +465,8 @@ class _Shape:
     """Builds the response objects of one API call (completion or chat, whole or chunked)."""
 
     def __init__(self, rid, model, chat, tok, prompt_tokens, echo=None, want_logprobs=False, tools=False):
-        """echo: completions with echo, per choice (the prompt's text, its ids). want_logprobs: completions
-        asked for logprobs. tools: chat answers may be tool calls (tools.py), parsed into tool_calls."""
+        """echo: completions with echo, per choice (the prompt's text, its ids). want_logprobs: the request
+        asked for logprobs (a router may have them computed without). tools: chat answers may be tool calls (tools.py), parsed into tool_calls."""
         self.rid, self.model, self.chat, self.tok = rid, model, chat, tok
         self.created = int(time.time())
         self.prompt_tokens = prompt_tokens
@@ -402,7 +487,7 @@ class _Shape:
 
     def logprobs(self, token_ids, logprobs):
         """Chat's logprobs object for these tokens (None when not asked for)."""
-        if logprobs is None:
+        if logprobs is None or not self.want_logprobs:
             return None
 
         def entry(tid, lp):
@@ -489,14 +574,14 @@ def _failed(out) -> APIError | None:
     return None
 
 
-async def _whole(request: Request, shape: _Shape, outs, index: dict) -> JSONResponse:
-    """A non-streamed answer; the request is aborted if the client goes away before it is done."""
-    final = {}
+async def _collect(request: Request, outs) -> list | None:
+    """Every output of a whole answer, in order; None if the client went away first (the requests are
+    aborted: the generator's finally does it)."""
+    got = []
 
     async def collect():
         async for out in outs:
-            if out.finished:
-                final[out.request_id] = out
+            got.append(out)
 
     async def gone():                   # the ASGI server says http.disconnect when the client leaves
         while (await request.receive())["type"] != "http.disconnect":
@@ -506,10 +591,25 @@ async def _whole(request: Request, shape: _Shape, outs, index: dict) -> JSONResp
     await asyncio.wait({work, watch}, return_when=asyncio.FIRST_COMPLETED)
     watch.cancel()
     if not work.done():
-        work.cancel()                   # the client left: abort (the generator's finally does it)
+        work.cancel()
         await asyncio.gather(work, return_exceptions=True)
-        return JSONResponse(APIError(499, "the client closed the connection").body(), status_code=499)
+        return None
     work.result()
+    return got
+
+
+async def _replay(got: list):
+    """Outputs already made, as the stream they came in."""
+    for out in got:
+        yield out
+
+
+async def _whole(request: Request, shape: _Shape, outs, index: dict) -> JSONResponse:
+    """A non-streamed answer; the request is aborted if the client goes away before it is done."""
+    got = await _collect(request, outs)
+    if got is None:
+        return JSONResponse(APIError(499, "the client closed the connection").body(), status_code=499)
+    final = {out.request_id: out for out in got if out.finished}
     for out in final.values():
         if (err := _failed(out)) is not None:
             raise err
@@ -552,12 +652,13 @@ async def _sse(shape: _Shape, outs, index: dict, usage: str | None):
         await outs.aclose()             # a client gone mid-stream: this aborts its requests
 
 
-def serve(engine, model_name: str, host: str = "127.0.0.1", port: int = 8000, api_key: str | None = None,
-          max_queued_requests: int | None = None, graceful_timeout_s: float = 30.0, log_level: str = "info",
-          max_tokens_default: int = MAX_TOKENS_DEFAULT) -> None:
+def serve(engine, model_name: str | None = None, host: str = "127.0.0.1", port: int = 8000,
+          api_key: str | None = None, max_queued_requests: int | None = None, graceful_timeout_s: float = 30.0,
+          log_level: str = "info", max_tokens_default: int = MAX_TOKENS_DEFAULT, route: RoutePolicy | None = None) -> None:
     """Run the server until Ctrl-C / SIGTERM. On shutdown it stops taking connections, lets running
     answers finish for up to graceful_timeout_s, then aborts what is left and closes those streams."""
     import uvicorn
 
-    app = create_app(engine, model_name, api_key, max_queued_requests, max_tokens_default=max_tokens_default)
+    app = create_app(engine, model_name, api_key, max_queued_requests, max_tokens_default=max_tokens_default,
+                     route=route)
     uvicorn.run(app, host=host, port=port, log_level=log_level, timeout_graceful_shutdown=graceful_timeout_s)

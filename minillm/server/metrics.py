@@ -9,9 +9,10 @@ so a dashboard made for vLLM reads minillm unchanged.
     histograms  vllm:time_to_first_token_seconds, vllm:inter_token_latency_seconds,
                 vllm:e2e_request_latency_seconds, vllm:request_queue_time_seconds,
                 vllm:iteration_tokens_total (tokens computed per engine step)
+    routing     minillm:routed_requests{routed_to=...}: requests to model "auto", by the model that answered
 
 Every series carries the label model_name. Each server has its own registry, so several can
-live in one process (the tests start more than one).
+live in one process (the tests start more than one); the models of one server share it.
 """
 from __future__ import annotations
 
@@ -25,19 +26,28 @@ _STEP_TOKENS = (1, 8, 16, 32, 64, 128, 256, 512, 1024, 2048, 4096, 8192)
 
 
 class ServerMetrics:
-    def __init__(self, model_name: str):
-        self.registry = r = CollectorRegistry()
+    def __init__(self, model_name: str, share: "ServerMetrics | None" = None):
+        """share: the metrics of another model of the same server: one registry, series told apart by label."""
         self.model_name = model_name
+        if share is None:
+            self.registry, self._families = CollectorRegistry(), {}
+        else:
+            self.registry, self._families = share.registry, share._families
         lab = ["model_name"]
 
+        def family(kind, name, doc, *args, **kw):
+            if name not in self._families:
+                self._families[name] = kind(name, doc, *args, registry=self.registry, **kw)
+            return self._families[name]
+
         def gauge(name, doc):
-            return Gauge(name, doc, lab, registry=r).labels(model_name)
+            return family(Gauge, name, doc, lab).labels(model_name)
 
         def counter(name, doc):
-            return Counter(name, doc, lab, registry=r).labels(model_name)
+            return family(Counter, name, doc, lab).labels(model_name)
 
         def hist(name, doc, buckets=_LATENCY):
-            return Histogram(name, doc, lab, buckets=buckets, registry=r).labels(model_name)
+            return family(Histogram, name, doc, lab, buckets=buckets).labels(model_name)
 
         self.running = gauge("vllm:num_requests_running", "Requests in the running batch (holding KV blocks).")
         self.waiting = gauge("vllm:num_requests_waiting", "Requests waiting to be admitted.")
@@ -47,13 +57,15 @@ class ServerMetrics:
         self.preemptions = counter("vllm:num_preemptions", "Requests preempted (blocks freed, recomputed later).")
         self.cache_queries = counter("vllm:prefix_cache_queries", "Prompt tokens looked up in the prefix cache.")
         self.cache_hits = counter("vllm:prefix_cache_hits", "Prompt tokens found in the prefix cache.")
-        self.success = Counter("vllm:request_success", "Finished requests, by finish reason.",
-                               lab + ["finished_reason"], registry=r)
+        self.success = family(Counter, "vllm:request_success", "Finished requests, by finish reason.",
+                              lab + ["finished_reason"])
         self.ttft = hist("vllm:time_to_first_token_seconds", "Arrival to first token.")
         self.itl = hist("vllm:inter_token_latency_seconds", "Gaps between consecutive tokens of a request.")
         self.e2e = hist("vllm:e2e_request_latency_seconds", "Arrival to finish.")
         self.queue = hist("vllm:request_queue_time_seconds", "Arrival to first scheduled.")
         self.step_tokens = hist("vllm:iteration_tokens_total", "Tokens computed per engine step.", _STEP_TOKENS)
+        self.routed = family(Counter, "minillm:routed_requests", "Requests sent to model 'auto', by the model that "
+                             "answered (the cheap one, or the exact one after escalation).", lab + ["routed_to"])
         self._last = {"num_preemptions": 0, "prefix_cache_queries": 0, "prefix_cache_hits": 0}
 
     def on_step(self, engine, outputs) -> None:

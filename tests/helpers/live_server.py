@@ -15,9 +15,14 @@ from minillm.course.launch_server import free_port
 
 @contextmanager
 def live_server(model, tokenizer, name="smol", api_key=None, max_queued_requests=None, max_tokens_default=None,
-                **engine_options):
-    engine = LLMEngine(model, tokenizer, **{"kv_cache_memory": 64 << 20, "verbose": False, **engine_options})
-    app = create_app(engine, name, api_key=api_key, max_queued_requests=max_queued_requests,
+                route=None, **engine_options):
+    """model: one model served as `name`, or {name: model} for several (then the engine yielded is a dict)."""
+    options = {"kv_cache_memory": 64 << 20, "verbose": False, **engine_options}
+    if isinstance(model, dict):
+        engine = {n: LLMEngine(m, tokenizer, **options) for n, m in model.items()}
+    else:
+        engine = LLMEngine(model, tokenizer, **options)
+    app = create_app(engine, name, api_key=api_key, max_queued_requests=max_queued_requests, route=route,
                      **({} if max_tokens_default is None else {"max_tokens_default": max_tokens_default}))
     port = free_port()
     server = uvicorn.Server(uvicorn.Config(app, host="127.0.0.1", port=port, log_level="warning",
