@@ -114,6 +114,8 @@ def test_adaptive_k_drafts_only_where_it_pays():
 
     cpu = {1: 1.0, 2: 1.6, 3: 1.8, 4: 1.2, 5: 1.2}          # as measured on one CPU: 2-3 rows cost more than 4
     ctl = AdaptiveK(4, cpu, prior=0.5)
+    assert ctl.choose(room=2) == 2 and ctl.probing            # a new sequence probes first
+    ctl.update(2, 1)                                          # alpha stays 0.5
     assert ctl.choose() == 4 and ctl.choose(room=2) == 0      # at alpha 0.5: all four; one or two cost more
     assert ctl.keep(2) == 0 and ctl.keep(3) == 3              # fewer found: verify only if that pays
     for _ in range(6):
@@ -131,17 +133,25 @@ def test_adaptive_k_drafts_only_where_it_pays():
 
 
 def test_in_a_batch_drafts_pay_only_where_extra_tokens_are_cheap():
-    """The engine prices j more tokens with the step time it fits (a + b * tokens). One sequence whose step
-    is mostly a fixed cost (reading the weights) drafts; 64 sequences in a step whose time grows with every
-    token do not: the 63 others would wait for drafts that add less than they cost."""
-    from minillm.speculative.adaptive import AdaptiveK, StepCost
+    """The engine prices a step's drafts with the step times it has measured (per size seen, a fitted line
+    between). One sequence whose step is mostly a fixed cost (reading the weights) drafts; 64 sequences in
+    a step whose time grows with every token do not: the 63 others would wait for drafts that add less than
+    they cost. In a mixed batch only the likely sequences draft."""
+    from minillm.speculative.adaptive import StepTimes, choose_batch
 
-    fit = StepCost()
-    assert fit.relative(1, 3) == {1: 1.0, 2: 1.0, 3: 1.0, 4: 1.0}    # nothing seen yet: extra tokens are free
+    times = StepTimes()
+    assert times.step(1) == times.step(9)                     # nothing seen yet: extra tokens are free
     for tokens in (1, 2, 5, 64, 70):
-        fit.observe(tokens, 0.03 + 0.002 * tokens)
-    a, b = fit.line()
+        times.observe(tokens, 0.03 + 0.002 * tokens)
+    a, b = times.line()
     assert abs(a - 0.03) < 1e-9 and abs(b - 0.002) < 1e-9
-    ctl = AdaptiveK(4, fit.relative(1, 4), prior=0.6)
-    assert ctl.choose(4, fit.relative(1, 4), batch=1) == 4
-    assert ctl.choose(4, fit.relative(64, 4), batch=64) == 0
+    assert choose_batch([0.6], [4], 1, 1, 4, times, 0.0) == [4]
+    assert choose_batch([0.6] * 64, [4] * 64, 64, 64, 4, times, 0.0) == [0] * 64
+    assert choose_batch([0.95, 0.1, 0.2], [4, 4, 2], 3, 3, 4, times, 0.0) == [4, 0, 0]
+    jagged = StepTimes()                                      # a measured size overrides the line
+    jagged.observe(1, 0.03)
+    jagged.observe(2, 0.5)
+    assert jagged.step(2) == 0.5 and choose_batch([0.9], [1], 1, 1, 1, jagged, 0.0) == [0]
+    assert times.draft(3, 0.0) == 0.0 and times.draft(3, 0.25) == 0.25 * times.step(3)
+    times.observe_draft(3, 0.01)
+    assert times.draft(3, 0.25) == 0.01

@@ -18,6 +18,7 @@ request's draft cache with its target cache: when it ends, is aborted or is pree
 """
 from __future__ import annotations
 
+import time
 from dataclasses import dataclass, field
 
 import torch
@@ -66,6 +67,7 @@ class DraftModelCache:
         self.kv = KVCacheManager(pool)
         self.runner = ModelRunner(draft_model, self.kv, target_runner.attention)
         self.seqs: dict[str, DraftSequence] = {}
+        self.pass_times: list[tuple[int, float]] = []   # the last proposal's passes: (sequences, seconds)
 
     def free(self, req) -> None:
         """Give back req's draft blocks (the full ones stay findable in the draft pool's prefix cache)."""
@@ -107,7 +109,7 @@ class DraftModelCache:
     def propose(self, reqs: list, room: list[int]) -> None:
         """Fill req.spec_token_ids (and spec_probs) of each request, up to its room (none where the draft
         pool is full)."""
-        ready = []
+        ready, self.pass_times = [], []
         for req, s in zip(reqs, room):
             req.spec_token_ids, req.spec_probs = [], None
             seq = self._ready(req, s)
@@ -125,7 +127,10 @@ class DraftModelCache:
             rows.append(len(ids) - 1)
             seq.num_computed_tokens = seq.num_tokens
         tables = [self.kv.block_table(seq) for _, _, seq in ready]
+        t0 = time.perf_counter()
         logits = self.runner.forward_tables(ids, positions, tables, q_lens, k_lens, rows)     # (A, vocab)
+        if max(q_lens) <= max(room) + 1:        # a catch-up on the last step's tokens, not a first prefill
+            self.pass_times.append((len(ready), time.perf_counter() - t0))
         active = list(range(len(ready)))
         drafts: list[list[int]] = [[] for _ in ready]
         probs: list[list[torch.Tensor]] = [[] for _ in ready]
@@ -145,9 +150,11 @@ class DraftModelCache:
             for seq, token in zip(seqs, tokens):
                 seq.tokens.append(token)
                 seq.num_computed_tokens += 1
+            t0 = time.perf_counter()
             logits = self.runner.forward_tables(tokens, positions, [self.kv.block_table(s) for s in seqs],
                                                 [1] * len(seqs), [p + 1 for p in positions],
                                                 list(range(len(seqs))))                       # (A', vocab)
+            self.pass_times.append((len(seqs), time.perf_counter() - t0))
         for i, (req, _, _) in enumerate(ready):
             req.spec_token_ids = drafts[i]
             req.spec_probs = torch.stack(probs[i]) if probs[i] else None

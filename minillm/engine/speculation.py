@@ -20,7 +20,9 @@ from __future__ import annotations
 import torch
 
 from ..speculative import CascadeProposer, DraftModelProposer, LayerSkipProposer, make_proposer, target_probs
-from ..speculative.adaptive import AdaptiveK, StepCost
+import time
+
+from ..speculative.adaptive import AdaptiveK, StepTimes, choose_batch
 from ..speculative.proposers import pick_draft
 from ..speculative import verify as verify_rule
 from ..speculative import verify_greedy
@@ -31,8 +33,9 @@ from .scheduler import ScheduledBatch
 
 class Speculator:
     def __init__(self, proposer, runner, num_speculative_tokens: int, adaptive: bool = False):
-        """adaptive: each request drafts 0..k tokens a step where that pays, from its own acceptance and the
-        cost of j more tokens in this step (speculative/adaptive.py; the engine fits step time to tokens)."""
+        """adaptive: each step, the requests most likely to be accepted draft j tokens and the rest none, with
+        j and how many chosen so that the step's expected tokens per second is highest, from each request's
+        own acceptance and the step and draft times measured so far (speculative/adaptive.py)."""
         if not isinstance(num_speculative_tokens, int) or num_speculative_tokens < 1:
             raise ValueError(f"num_speculative_tokens must be an integer >= 1; got {num_speculative_tokens!r}")
         self.proposer = make_proposer(proposer)
@@ -47,7 +50,7 @@ class Speculator:
         if isinstance(self.proposer, LayerSkipProposer):
             self.proposer.check(runner.model)
         self.runner, self.k = runner, num_speculative_tokens
-        self.step_cost = StepCost() if adaptive else None
+        self.times = StepTimes() if adaptive else None
         self._draft_cost = self.proposer.relative_cost(runner.model)
         self.num_drafts = self.num_draft_tokens = self.num_accepted_tokens = 0   # vLLM's counters
 
@@ -56,10 +59,11 @@ class Speculator:
         """Fill req.spec_token_ids (and spec_probs) of every request with room for drafts; a request
         that gets fewer drafts than its room computes fewer tokens."""
         todo = [(i, r, s) for i, (r, s) in enumerate(zip(batch.requests, batch.num_spec_slots)) if s]
-        if self.step_cost is not None and todo:
+        if self.times is not None and todo:
             todo = self._adapt(batch, todo)
         if not todo:
             return
+        t0, passes = time.perf_counter(), max(s for _, _, s in todo)
         if isinstance(self.proposer, LayerSkipProposer):
             self._draft_layers([r for _, r, _ in todo], [s for _, _, s in todo])
         elif self.draft is not None:
@@ -71,38 +75,48 @@ class Speculator:
         else:
             for _, req, s in todo:
                 self._lookup(self.proposer, req, s)
+        if self.times is not None and self.draft is not None:      # its passes (not a first prefill)
+            for rows, seconds in self.draft.pass_times:
+                self.times.observe_draft(rows, seconds)
+        elif self.times is not None and self._draft_cost:
+            self.times.observe_draft(len(todo), (time.perf_counter() - t0) / passes)
         for i, req, s in todo:
             batch.num_new_tokens[i] = 1 + len(req.spec_token_ids)
 
     @staticmethod
     def _lookup(proposer, req: Request, s: int) -> bool:
-        """Drafts from a proposer that needs only the tokens; whether it found any worth verifying."""
+        """Drafts from a proposer that needs only the tokens; whether it found any."""
         drafts, probs = proposer.propose(req.all_token_ids, s)
         req.spec_token_ids, req.spec_probs = list(drafts)[:s], probs
-        if req.spec_control is not None:                               # fewer found: verify only if it pays
-            req.spec_token_ids, req.spec_probs = req.spec_control.trim(req.spec_token_ids, probs, s)
         return bool(req.spec_token_ids)
 
     def _adapt(self, batch: ScheduledBatch, todo: list) -> list:
-        """Each request's drafts for this step, 0..its slots, as its controller chooses; requests that
-        choose none decode plainly (their slots are given back as plain one-token rows)."""
+        """This step's drafts per request (choose_batch); requests given none decode plainly (their slots
+        are given back as plain one-token rows). A request that has decoded plainly for a while is weighed
+        at the acceptance hoped for (a probe: is it copying now?)."""
         tokens = batch.total_tokens - sum(s for _, _, s in todo)        # the step without drafts
-        costs = self.step_cost.relative(tokens, self.k)
-        chosen = []
-        for i, req, s in todo:
+        alphas = []
+        for _, req, _ in todo:
             if req.spec_control is None:
-                req.spec_control = AdaptiveK(self.k, costs, self._draft_cost)
-            j = req.spec_control.choose(s, costs, batch=len(batch.requests))
+                req.spec_control = AdaptiveK(self.k, {T: 1.0 for T in range(1, self.k + 2)}, self._draft_cost)
+            ctl = req.spec_control
+            alphas.append(ctl.hope if ctl.plain_steps >= ctl.probe_every else ctl.alpha)
+        chosen = choose_batch(alphas, [s for _, _, s in todo], tokens, len(batch.requests), self.k, self.times,
+                              self._draft_cost)
+        drafting = []
+        for (i, req, _), j in zip(todo, chosen):
             batch.num_new_tokens[i] = 1 + j
             req.spec_token_ids, req.spec_probs = [], None
             if j:
-                chosen.append((i, req, j))
-        return chosen
+                drafting.append((i, req, j))
+            else:
+                req.spec_control.plain_steps += 1
+        return drafting
 
     def observe(self, tokens: int, seconds: float) -> None:
         """A step's size and time (adaptive speculation's cost model learns from it)."""
-        if self.step_cost is not None:
-            self.step_cost.observe(tokens, seconds)
+        if self.times is not None:
+            self.times.observe(tokens, seconds)
 
     @torch.inference_mode()
     def _draft_layers(self, reqs: list[Request], room: list[int]) -> None:

@@ -18,6 +18,9 @@ given the tokens before it, whatever the number of drafts.
     drafts = drafts[:ctl.keep(len(drafts))]     # the proposer may find fewer: verify them only if it pays
     ...                               # verify: `accepted` of the `drafted` kept
     ctl.update(drafted, accepted)
+
+The serving engine decides for the whole step at once (`choose_batch`): which sequences draft, and how
+many tokens, from their acceptance estimates and the step and draft times it has measured (`StepTimes`).
 """
 from __future__ import annotations
 
@@ -48,7 +51,7 @@ class AdaptiveK:
         self.cost = {T: float(pass_cost[T]) for T in range(1, k + 2)}
         self.prior, self.hope = prior, hope
         self.accepted, self.tried = prior, 1.0         # discounted counts: alpha = accepted / tried
-        self.plain_steps, self.probing, self.batch = 0, False, 1
+        self.plain_steps, self.probing, self.batch = probe_every, False, 1   # the first step probes
 
     @property
     def alpha(self) -> float:
@@ -127,19 +130,32 @@ def measure_pass_costs(runner, max_tokens: int, repeats: int = 3) -> dict[int, f
     return {T: known[key, T] / known[key, 1] for T in times}
 
 
-class StepCost:
-    """A serving engine's step time as a + b * tokens, fitted to the steps it has run (recent ones weigh
-    more): what j more tokens in this step would cost. Until steps of different sizes have been seen, extra
-    tokens are taken as free (as on a GPU at small batch), so drafts are tried and the fit learns."""
+class StepTimes:
+    """A serving engine's measured times: a step over n tokens, and one draft pass over m sequences.
 
-    def __init__(self, memory: float = 0.98):
+    Each size seen keeps its own running estimate: on a CPU step time is not a straight line in tokens (a
+    step of 10 tokens can cost more than one of 12, as the matrix library switches kernels). A size not
+    seen yet is read off a line fitted to all steps, recent ones weighing more; until steps of two sizes
+    have been seen, extra tokens are taken as free (as on a GPU at small batch), so drafts get tried and
+    the table fills in."""
+
+    def __init__(self, memory: float = 0.8):
         self.memory = memory
+        self.steps: dict[int, float] = {}        # tokens -> seconds
+        self.drafts: dict[int, float] = {}       # sequences -> seconds of one draft pass
         self.n = self.sx = self.sy = self.sxx = self.sxy = 0.0
 
+    def _ema(self, table: dict, key: int, seconds: float) -> None:
+        table[key] = seconds if key not in table else self.memory * table[key] + (1 - self.memory) * seconds
+
     def observe(self, tokens: int, seconds: float) -> None:
-        m = self.memory
+        self._ema(self.steps, tokens, seconds)
+        m = 0.98
         self.n, self.sx, self.sy = m * self.n + 1, m * self.sx + tokens, m * self.sy + seconds
         self.sxx, self.sxy = m * self.sxx + tokens * tokens, m * self.sxy + tokens * seconds
+
+    def observe_draft(self, sequences: int, seconds: float) -> None:
+        self._ema(self.drafts, sequences, seconds)
 
     def line(self) -> tuple[float, float]:
         """(a, b): seconds = a + b * tokens; b = 0 until the fit has tokens of different counts."""
@@ -150,8 +166,43 @@ class StepCost:
         b = max((self.sxy / self.n - mx * my) / var, 0.0) if var > 1e-9 else 0.0
         return max(my - b * mx, 1e-6), b
 
-    def relative(self, tokens: int, most: int) -> dict[int, float]:
-        """{1 + j: a step of tokens + j / a step of tokens} for j = 0..most (as AdaptiveK.choose reads)."""
+    def step(self, tokens: int) -> float:
+        if tokens in self.steps:
+            return self.steps[tokens]
         a, b = self.line()
-        base = a + b * tokens
-        return {1 + j: (base + b * j) / base for j in range(most + 1)}
+        return a + b * tokens
+
+    def draft(self, sequences: int, relative_cost: float) -> float:
+        """One draft pass over this many sequences: measured, or until then relative_cost (the proposer's
+        draft step / a decode step) times a step of that many tokens. 0 for a lookup."""
+        if relative_cost == 0:
+            return 0.0
+        return self.drafts.get(sequences, relative_cost * self.step(sequences))
+
+
+def choose_batch(alphas: list[float], rooms: list[int], base_tokens: int, batch: int, k: int,
+                 times: StepTimes, draft_cost: float) -> list[int]:
+    """Drafts per sequence for one engine step: the m sequences most likely to be accepted draft j tokens
+    each (at most their room), the others none, with (m, j) the pair that maximizes the step's expected
+    tokens per second
+
+        (batch + sum over the m of (E(a_i, j) - 1)) / (step(base_tokens + their drafts) + j * draft(m))
+
+    where batch sequences emit a token anyway and the step without drafts computes base_tokens. m = 0 is
+    plain decoding for all. A busy step's tokens are not free, so drafts pay only where they are likely."""
+    order = sorted(range(len(alphas)), key=lambda i: -alphas[i])
+    best, best_rate = (0, 0), batch / times.step(base_tokens)
+    for j in range(1, k + 1):
+        gain, extra = 0.0, 0
+        for m, i in enumerate(order, start=1):
+            d = min(j, rooms[i])
+            gain += expected_tokens_per_step(alphas[i], d) - 1
+            extra += d
+            rate = (batch + gain) / (times.step(base_tokens + extra) + j * times.draft(m, draft_cost))
+            if rate > best_rate:
+                best, best_rate = (m, j), rate
+    m, j = best
+    chosen = [0] * len(alphas)
+    for i in order[:m]:
+        chosen[i] = min(j, rooms[i])
+    return chosen
