@@ -7,6 +7,7 @@
     run_tasks(model, tok, tasks, configs)     per prompt: plain kv decoding and each proposer, alternated
                                               in one run; tokens/s, acceptance, tokens per pass, exactness
     predicted_run_speedup(row, costs, ratios) what a run's counters predict, priced with the measured costs
+    alpha_from_tokens_per_pass(tokens, k)     the per-draft acceptance α that E(α, k) tokens per pass implies
 """
 from __future__ import annotations
 
@@ -148,3 +149,17 @@ def predicted_run_speedup(row: dict, pass_cost_s: dict, draft_cost_ratio: dict) 
     draft = ratios.get(row["system"].split()[0].split("+")[-1], 0.0)
     steps = (passes - verifies) + verifies * relative(width) + draft * row["spec_draft_tokens"]
     return emitted / steps
+
+
+def alpha_from_tokens_per_pass(tokens_per_pass: float, k: int) -> float:
+    """The α with (1 - α^(k+1)) / (1 - α) = tokens_per_pass (1 .. k + 1): the chance each draft is
+    accepted, given the first k drafts' outcomes, that a run's mean tokens per pass implies (bisection)."""
+    from ..speculative import expected_tokens_per_step
+
+    if not 1 <= tokens_per_pass <= k + 1:
+        raise ValueError(f"a pass of k = {k} drafts emits 1 to {k + 1} tokens; got {tokens_per_pass}")
+    lo, hi = 0.0, 1.0
+    for _ in range(60):
+        mid = (lo + hi) / 2
+        lo, hi = (mid, hi) if expected_tokens_per_step(mid, k) < tokens_per_pass else (lo, mid)
+    return (lo + hi) / 2
