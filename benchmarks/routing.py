@@ -7,7 +7,7 @@ summaries, code edits, extraction), greedy, one request at a time: the cheap mod
 log-probabilities the router reads) and the exact model's, alternated `repeats` times (median seconds).
 Per prompt it records each confidence signal (minillm/routing.py), whether the cheap answer is the exact
 one (same tokens), and how far they agree. Then, per signal: how well it predicts agreement (AUC), and
-the trade-off as the threshold moves from never to always escalating: share escalated, compute against
+the trade-off as the threshold moves from never to always escalating: share escalated, time against
 sending everything to the exact model, agreement with the exact model's answers. Writes the JSON and a plot.
 """
 from __future__ import annotations
@@ -89,7 +89,7 @@ def plot(result: dict, path: Path) -> None:
                 label=f"{s} (AUC {result['auc'][s]:.2f})")
     ax.axvline(1.0, color="grey", lw=0.8, ls="--")
     ax.text(1.0, 0.02, " everything to the exact model", color="grey", fontsize=8, transform=ax.get_xaxis_transform())
-    ax.set(xlabel="compute relative to sending every request to the exact model",
+    ax.set(xlabel="time relative to sending every request to the exact model",
            ylabel="answers equal to the exact model's", ylim=(0, 1.02),
            title=f"Routing {result['cheap']} -> float32 as the threshold moves\n{result['machine']}")
     ax.legend(title="confidence signal", fontsize=8)

@@ -14,7 +14,7 @@ exact model answers again from scratch, and its answer is the one returned.
     confidence(logprobs, signal)       one answer's confidence
     RoutePolicy(cheap, exact, ...)     the server's model "auto": which two models, which signal, what threshold
     Router(cheap, exact, ...)          route(prompts, params): the cascade over two LLMs, offline
-    tradeoff(rows, signal, costs)      escalated share, compute and agreement with the exact model as the
+    tradeoff(rows, signal, costs)      escalated share, time and agreement with the exact model as the
                                        threshold moves from never to always escalating
     auc(scores, labels)                how well a signal ranks agreeing answers above disagreeing ones
 """

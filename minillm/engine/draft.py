@@ -14,7 +14,8 @@ request. Each step, for the requests that have room for drafts:
 Blocks full of a request's accepted tokens become findable in the draft pool's prefix cache, so a
 shared prompt, a chat's next turn or a preempted request finds its draft K/V again. A request whose
 draft cache cannot grow (the draft pool is full) decodes plainly that step. The scheduler frees a
-request's draft cache with its target cache: when it ends, is aborted or is preempted.
+request's draft cache with its target cache: when it ends, is aborted or is preempted. The draft pool
+has as many blocks as the target's (the engine sizes it so): a draft model doubles the KV cache's memory.
 """
 from __future__ import annotations
 
