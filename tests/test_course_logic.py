@@ -206,3 +206,14 @@ def test_textbook_operators_give_the_same_logits_with_more_calls():
     with pytest.raises(ValueError, match="unknown variants"):
         with textbook("fusion"):
             pass
+
+
+def test_versus_words_follow_the_numbers():
+    from minillm.course.prose import versus
+
+    assert versus(2.1, 1.0) == "2.1× higher than"
+    assert versus(1.0, 1.3) == "1.3× lower than"
+    assert versus(1.03, 1.0) == "within 5% of"
+    assert versus(1.0, 1.2, within=0.25) == "within 25% of"
+    with pytest.raises(ValueError, match="positive"):
+        versus(0.0, 1.0)

@@ -66,3 +66,55 @@ def test_everything_the_notebooks_import_comes_with_the_course_install():
             for top in re.findall(r"^\s*(?:from|import)\s+(\w+)", "".join(cell["source"]), re.M):
                 assert top in sys.stdlib_module_names or top.lower() in installed, \
                     f"{nb.name} imports {top}, which `pip install -e .` does not install: add it to dependencies"
+
+
+# A number measured in a run is printed by the code that measured it, never typed into markdown: typed
+# numbers drift from the outputs at the next rerun, or on the learner's machine. What looks measured: a
+# time, a rate, a ratio ("2.1×"), a percentage, a size with decimals. Markdown keeps predictions (a
+# paragraph that opens with "**Predict"), formulas ($...$ and products like 9 × 64), code, and the facts
+# below, which no machine changes.
+MEASURED = re.compile(
+    r"(?<![\w.,$])~?\d[\d,]*(?:\.\d+)?\s?(?:"
+    r"(?:ms|µs|us|s|min|seconds?|minutes?)(?![\w/])"                      # a time
+    r"|(?:tok|tokens|req|requests|GB|GiB|MB|GFLOP|TFLOP)/s\b"              # a rate
+    r"|(?<=\d)×(?!\d)|(?<=\d)x\b"                                         # a ratio (9 × 64 is a product)
+    r"|%)"                                                                 # a share
+    r"|(?<![\w.,$])\d+\.\d+\s?(?:GiB|MiB|KiB|GB|MB|KB)\b")                 # a size as measured
+FACTS = {   # notebook -> phrases that hold on every machine, each with its reason
+    "01": ["less than 16×"],         # the prediction of the cell before: 16 tokens for one read of the weights
+    "04": ["3× less cache",          # 9 query heads over 3 KV heads
+           "cache 3× against MHA",
+           "the 3× larger copy",
+           "by ±10%"],               # the size of run-to-run noise, a caution and not a result
+    "05": ["about **8×** less traffic", "(≈ 8× with 64-row blocks)"],   # 8 × BLOCK_M / D with BLOCK_M = D = 64
+    "06": ["95% of its memory",      # 200 tokens of 4,096 reserved
+           "2–4× the throughput"],   # the PagedAttention paper's own result, cited
+    "10": ["40 % of the time", "10 %"],                     # the worked example's own probabilities
+    "12": ["150 % off",              # what reading the other layout does to a weight, by construction
+           "plus 1.5 %", "takes 31 %", "6 % for"],   # bytes per value of each format
+    "11": ["0.25 GiB KV cache", "even 0.5 req/s", "30 s by default"],   # the server's settings
+    "13": ["4.8 TB/s", "10 µs per collective", "450 GB/s"],   # an H200's and NVLink's data sheets, assumed
+    "14": ["about 50× the bytes"],   # a 7B layer against a 135M layer, at the same bits
+}
+
+
+def _prose(cell: dict) -> str:
+    text = "".join(cell["source"])
+    text = re.sub(r"\$\$.*?\$\$|\$[^$\n]*\$|`[^`]*`", "", text, flags=re.S)                # formulas, code
+    text = re.sub(r"^\*On this machine \(.*", "", text, flags=re.M)                       # execute.py's stamp
+    return "\n\n".join(p for p in text.split("\n\n") if not p.lstrip("#* ").startswith("Predict"))
+
+
+def test_measured_numbers_are_printed_by_code_not_typed_into_markdown():
+    typed = []
+    for nb in sorted((ROOT / "notebooks").glob("*.ipynb")):
+        facts = FACTS.get(nb.name[:2], [])
+        for i, cell in enumerate(json.loads(nb.read_text())["cells"]):
+            if cell["cell_type"] != "markdown":
+                continue
+            text = _prose(cell)
+            for fact in facts:
+                text = text.replace(fact, "")
+            typed += [f"{nb.name} cell {i}: …{text[max(0, m.start() - 50):m.end() + 10]!r}…"
+                      for m in MEASURED.finditer(text)]
+    assert not typed, "typed numbers that look measured (print them from code):\n" + "\n".join(typed)
