@@ -104,3 +104,39 @@ def test_machine_is_named_with_its_memory():
     assert info["cores"] >= 1 and info["memory_gib"] > 0 and info["cpu"]
     label = machine_label(info)
     assert info["cpu"] in label and f"{info['threads']} threads" in label and "GiB" in label
+
+
+def test_a_server_child_is_stopped_with_a_signal_windows_can_send(monkeypatch):
+    """On Windows `send_signal(SIGINT)` raises ValueError and leaves the server running: there the child gets
+    its own process group and Ctrl-Break, which uvicorn shuts down on as it does on SIGINT."""
+    import signal
+    import subprocess
+
+    from minillm.course import launch_server
+
+    assert launch_server.interrupt_signal() == signal.SIGINT
+    monkeypatch.setattr(launch_server.sys, "platform", "win32")
+    monkeypatch.setattr(signal, "CTRL_BREAK_EVENT", 1, raising=False)                  # what Windows defines
+    monkeypatch.setattr(subprocess, "CREATE_NEW_PROCESS_GROUP", 0x200, raising=False)
+    assert launch_server.interrupt_signal() == 1
+    seen = {}
+
+    class FakePopen:                                  # records how start() launches, and what stop() sends
+        def __init__(self, command, **kwargs):
+            seen["flags"] = kwargs.get("creationflags")
+            self.returncode = None
+
+        def poll(self):
+            return self.returncode
+
+        def send_signal(self, sig):
+            seen["signal"] = sig
+            self.returncode = 0
+
+        def wait(self, timeout=None):
+            return self.returncode
+
+    monkeypatch.setattr(launch_server.subprocess, "Popen", FakePopen)
+    monkeypatch.setattr("httpx.get", lambda url, timeout: type("R", (), {"status_code": 200})())
+    srv = launch_server.ServerProcess(["server"]).start()
+    assert srv.stop() == 0 and seen == {"flags": 0x200, "signal": 1}

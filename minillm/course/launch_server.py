@@ -7,7 +7,9 @@
 
 `{port}` in the command is replaced by the port chosen. The notebook and the benchmarks start
 minillm and its peers this way; Ctrl-C (SIGINT) stops each one (its graceful shutdown), and a
-process that does not stop within `stop_timeout_s` is killed.
+process that does not stop within `stop_timeout_s` is killed. Windows has no SIGINT to send to
+another process: there the server starts in a process group of its own and gets Ctrl-Break
+(CTRL_BREAK_EVENT), which uvicorn takes as the same graceful shutdown.
 """
 from __future__ import annotations
 
@@ -24,6 +26,12 @@ def free_port() -> int:
     with socket.socket() as s:
         s.bind(("127.0.0.1", 0))
         return s.getsockname()[1]
+
+
+def interrupt_signal() -> int:
+    """What stops a server gracefully: SIGINT, or on Windows Ctrl-Break (to a process started in its own
+    process group; `send_signal(SIGINT)` raises ValueError there)."""
+    return signal.CTRL_BREAK_EVENT if sys.platform == "win32" else signal.SIGINT
 
 
 class ServerProcess:
@@ -44,7 +52,8 @@ class ServerProcess:
     def start(self) -> "ServerProcess":
         import httpx
 
-        self.proc = subprocess.Popen(self.command, stdout=self.log, stderr=subprocess.STDOUT, env=self.env)
+        group = {"creationflags": subprocess.CREATE_NEW_PROCESS_GROUP} if sys.platform == "win32" else {}
+        self.proc = subprocess.Popen(self.command, stdout=self.log, stderr=subprocess.STDOUT, env=self.env, **group)
         deadline = time.monotonic() + self.start_timeout_s
         while time.monotonic() < deadline:
             if self.proc.poll() is not None:
@@ -61,7 +70,7 @@ class ServerProcess:
     def stop(self) -> int | None:
         if self.proc is None or self.proc.poll() is not None:
             return None if self.proc is None else self.proc.returncode
-        self.proc.send_signal(signal.SIGINT)
+        self.proc.send_signal(interrupt_signal())
         try:
             return self.proc.wait(self.stop_timeout_s)
         except subprocess.TimeoutExpired:
