@@ -52,6 +52,8 @@ def test_the_sampling_explorer_redraws_when_a_slider_moves(model, tokenizer):
     ex.sliders["top_p"].value = 0.5
     ex.sliders["min_p"].value = 0.2
     assert ex.text != first[1] and ex.kept < first[0] and ex.params.min_p == 0.2
+    ex.sliders["temperature"].value = 0.0                  # the slider reaches greedy: one token kept
+    assert ex.params.greedy and ex.kept == 1 and "T 0 (greedy)" in ex.status.value
 
 
 def _answers():

@@ -13,9 +13,12 @@ from ..sampling import SamplingParams, filtered_probs
 
 
 def describe(params: SamplingParams) -> str:
-    """'T 0.85 · top-k off · top-p 0.70 · min-p 0.05': the settings, rounded as the sliders show them."""
+    """'T 0.85 · top-k off · top-p 0.70 · min-p 0.05': the settings, rounded as the sliders show them
+    ('T 0 (greedy)' at temperature 0, where the filters do not matter: the best token is taken)."""
     def knob(name, value, off, fmt):
         return f"{name} off" if value == off else f"{name} {value:{fmt}}"
+    if params.greedy:
+        return "T 0 (greedy)"
     return " · ".join([f"T {params.temperature:.2f}", knob("top-k", params.top_k, 0, "d"),
                        knob("top-p", params.top_p, 1.0, ".2f"), knob("min-p", params.min_p, 0.0, ".2f")])
 
@@ -52,7 +55,7 @@ class SamplingExplorer:
         wide = {"description_width": "90px"}
         layout = w.Layout(width="340px")
         self.sliders = {
-            "temperature": w.FloatSlider(value=0.8, min=0.05, max=2.0, step=0.05, description="temperature"),
+            "temperature": w.FloatSlider(value=0.8, min=0.0, max=2.0, step=0.05, description="temperature"),
             "top_k": w.IntSlider(value=0, min=0, max=100, description="top-k (0: off)"),
             "top_p": w.FloatSlider(value=0.9, min=0.05, max=1.0, step=0.05, description="top-p"),
             "min_p": w.FloatSlider(value=0.0, min=0.0, max=0.5, step=0.01, description="min-p"),
