@@ -48,7 +48,9 @@ def test_every_notebook_states_its_cost_and_ends_with_checked_exercises():
         answers = [c for c in code if c["metadata"].get("jupyter", {}).get("source_hidden")]
         assert len(stubs) >= 1 and len(answers) == len(stubs), nb.name
         assert all("passed = check_" in "".join(c["source"]) for c in answers), nb.name
-        assert all("nbval-check-output" in c["metadata"].get("tags", []) for c in answers), nb.name
+        for c in answers:   # an answer's output is checked, unless it predicts a number this run measured
+            predicts = "check_prediction(" in "".join(c["source"])
+            assert "nbval-check-output" in c["metadata"].get("tags", []) or predicts, nb.name
 
 
 def test_everything_the_notebooks_import_comes_with_the_course_install():

@@ -1,0 +1,67 @@
+"""Pictures that carry what prose would labour over: the shapes of prefill and decode (notebook 01), one
+Q4_1 block byte by byte (12), how a token budget packs a step (08). Each draws on a matplotlib axis."""
+from __future__ import annotations
+
+
+def _box(ax, x, y, w, h, color, text="", fontsize=8, **kw):
+    import matplotlib.pyplot as plt
+
+    ax.add_patch(plt.Rectangle((x, y), w, h, facecolor=color, edgecolor="black", linewidth=0.6, **kw))
+    if text:
+        ax.text(x + w / 2, y + h / 2, text, ha="center", va="center", fontsize=fontsize)
+
+
+def draw_prefill_decode(ax, T: int = 6, d: int = 4, out: int = 5) -> None:
+    """Activations (T × d) times a weight (d × out): prefill multiplies a block of T rows, decode one row,
+    against the same weight, read once either way."""
+    for x0, rows, title in ((0, T, f"prefill: T = {T} rows"), (2 * (d + out) + 7, 1, "decode: 1 row")):
+        top = T
+        _box(ax, x0, top - rows, d, rows, "tab:orange", "x" if rows == 1 else f"x\n({rows} × d)")
+        ax.text(x0 + d + 0.6, top - rows / 2, "×", fontsize=14, va="center")
+        _box(ax, x0 + d + 1.6, top - d, out, d, "lightgray", "W\n(d × out)")
+        ax.text(x0 + d + out + 2.2, top - rows / 2, "=", fontsize=14, va="center")
+        _box(ax, x0 + d + out + 3.2, top - rows, out, rows, "tab:blue", "" if rows == 1 else f"{rows} × out")
+        ax.text(x0 + (d + out * 2 + 3.2) / 2, top + 0.7, title, ha="center", fontsize=9)
+    ax.text(2 * (d + out) + 6, -0.9, "the same weight W is read from memory once per pass: prefill does T rows of arithmetic "
+            "with it, decode one", ha="center", fontsize=8)
+    ax.set(xlim=(-0.5, 4 * (d + out) + 13), ylim=(-1.5, T + 1.5))
+    ax.set_axis_off()
+
+
+def draw_q4_1_block(ax) -> None:
+    """A Q4_1 block: float16 scale d and minimum m, then 16 bytes holding 32 four-bit codes (byte j's low
+    nibble is weight j, its high nibble weight j + 16); weight = code × d + m."""
+    _box(ax, 0, 2, 2, 1, "tab:green", "d\nfloat16")
+    _box(ax, 2, 2, 2, 1, "tab:olive", "m\nfloat16")
+    for j in range(16):
+        _box(ax, 4 + j, 2.5, 1, 0.5, "tab:blue", f"lo {j}", fontsize=6)
+        _box(ax, 4 + j, 2, 1, 0.5, "tab:purple", f"hi {j + 16}", fontsize=6)
+    ax.text(12, 3.3, "16 bytes: byte j = (code of weight j + 16) << 4 | (code of weight j)", ha="center", fontsize=8)
+    for j in range(16):
+        ax.annotate("", xy=(j * 0.75 + 0.4, 0.9), xytext=(4.5 + j, 2.5), arrowprops=dict(arrowstyle="-", lw=0.3, color="tab:blue"))
+        ax.annotate("", xy=(12 + j * 0.75 + 0.4, 0.9), xytext=(4.5 + j, 2.0), arrowprops=dict(arrowstyle="-", lw=0.3, color="tab:purple"))
+    for i in range(32):
+        _box(ax, i * 0.75, 0.3, 0.75, 0.6, "tab:blue" if i < 16 else "tab:purple", str(i), fontsize=5)
+    ax.text(12, -0.2, "32 weights of a row, in order: w_i = code_i × d + m   (20 bytes for 32 weights: 5 bits each)",
+            ha="center", fontsize=8)
+    ax.set(xlim=(-0.5, 24.5), ylim=(-0.6, 3.7))
+    ax.set_axis_off()
+
+
+def draw_budget_packing(ax, steps, budget: int, long_id: str, first_step: int = 0) -> None:
+    """One bar per step: each request's tokens stacked against the budget, decodes (one token each) in blue
+    at the bottom, the long prompt's chunk in orange, other prompts in grey. steps: course.simulate's SimStep
+    list (.tokens: request id -> tokens computed); the bars are numbered from first_step."""
+    colors = {"decode": "tab:blue", "long": "tab:orange", "prompt": "lightgray"}
+    for i, step in enumerate(steps):
+        bottom = 0
+        kinds = [("long" if rid == long_id else "decode" if n == 1 else "prompt", n) for rid, n in step.tokens.items()]
+        for kind, n in sorted(kinds, key=lambda kn: ["decode", "prompt", "long"].index(kn[0])):
+            ax.bar(first_step + i, n, bottom=bottom, color=colors[kind], edgecolor="white", linewidth=0.2)
+            bottom += n
+    ax.axhline(budget, color="black", ls=":", lw=1)
+    ax.set(xlabel="step", ylabel="tokens computed in the step", ylim=(0, budget * 1.35))
+    handles = [ax.bar(first_step, 0, color=c) for c in colors.values()]
+    ax.legend(handles=handles + [ax.axhline(budget, color="black", ls=":", lw=1)],
+              labels=["decodes: one token each", "a chunk of the long prompt", "other prompts", "the budget"],
+              fontsize=8, loc="upper center", ncol=4)
