@@ -233,3 +233,13 @@ def test_prediction_checks_pass_a_right_sized_number_and_fail_a_wrong_one(capsys
     assert ridge_batch(989e12, 4.8e12, 2) == pytest.approx(206.0, rel=0.01)
     assert check_ridge_batch(ridge_batch, 100e9, 20e9)
     assert not check_ridge_batch(lambda p, bw, b: p / bw, 100e9, 20e9)
+
+
+def test_run_times_and_their_spread_in_words():
+    from minillm.course.timing import median_time, run_times, spread
+
+    calls = []
+    times = run_times(lambda: calls.append(1), repeats=4, warmup=2)
+    assert len(times) == 4 and len(calls) == 6 and all(t >= 0 for t in times)
+    assert median_time(lambda: None, repeats=3) >= 0
+    assert spread([0.010, 0.012, 0.020]) == "12.0 ms (10.0-20.0 over 3 runs)"
