@@ -65,3 +65,22 @@ def draw_budget_packing(ax, steps, budget: int, long_id: str, first_step: int = 
     ax.legend(handles=handles + [ax.axhline(budget, color="black", ls=":", lw=1)],
               labels=["decodes: one token each", "a chunk of the long prompt", "other prompts", "the budget"],
               fontsize=8, loc="upper center", ncol=4)
+
+
+def draw_request_timeline(ax, queue_s: float, token_s: list[float], title: str = "") -> None:
+    """One request, from the moment it is sent (0): waiting in the queue, its prefill up to the first token
+    (TTFT), the gaps between later tokens (ITL), and the end-to-end latency. token_s: when each token came."""
+    first, last = token_s[0], token_s[-1]
+    ax.barh(0, queue_s, color="lightgrey", height=0.5)
+    ax.barh(0, first - queue_s, left=queue_s, color="tab:orange", height=0.5)
+    ax.vlines(token_s, -0.25, 0.25, color="tab:blue", lw=0.8)
+    for y, a, b, label in ((0.75, 0, first, "TTFT"), (1.25, 0, last, "end-to-end")):
+        ax.annotate("", xy=(a, y), xytext=(b, y), arrowprops=dict(arrowstyle="<->", lw=0.8))
+        ax.text((a + b) / 2, y + 0.08, label, ha="center", fontsize=8)
+    if len(token_s) > 2:
+        widest = max(range(1, len(token_s)), key=lambda i: token_s[i] - token_s[i - 1])   # the longest gap
+        a, b = token_s[widest - 1], token_s[widest]
+        ax.annotate("", xy=(a, -0.45), xytext=(b, -0.45), arrowprops=dict(arrowstyle="<->", lw=0.8))
+        ax.text((a + b) / 2, -0.75, "its longest ITL gap", ha="center", fontsize=8)
+    ax.text(queue_s / 2, 0, "queued" if queue_s > 0.08 * last else "", ha="center", va="center", fontsize=7)
+    ax.set(yticks=[], ylim=(-1, 1.6), xlabel="seconds since the request was sent", title=title)
