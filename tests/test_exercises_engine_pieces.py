@@ -4,9 +4,13 @@ import json
 import random
 from pathlib import Path
 
+import matplotlib
 import pytest
+import torch
 
 from minillm.course.exercises.engine import _engine_schedule, _random_state, check_schedule
+from minillm.course.exercises.speculative import check_accept_draft
+from minillm.course.spec_timeline import Pass, draw_passes, passes_from, pick_window
 
 ROOT = Path(__file__).resolve().parents[1]
 
@@ -92,3 +96,80 @@ def test_an_unwritten_schedule_says_so(capsys):
         raise NotImplementedError
     assert not check_schedule(stub)
     assert "not written yet" in capsys.readouterr().out
+
+
+# ------------------------------------------------------------------ notebook 10: accept or replace a draft
+def residual(p, q):
+    r = (p - q).clamp_min(0)
+    return r / r.sum()
+
+
+def draw(dist, generator):
+    return int(torch.multinomial(dist, 1, generator=generator))
+
+
+def test_the_notebooks_accept_answer_passes(capsys):
+    namespace = {"torch": torch, "check_accept_draft": check_accept_draft, "check_residual": lambda fn: True}
+    exec(answer_cell("10_speculative_decoding.ipynb", "check_residual"), namespace)     # its my_residual
+    assert run_answer("10_speculative_decoding.ipynb", "check_accept_draft", namespace)
+    assert "5 of 5 checks pass" in capsys.readouterr().out
+
+
+def test_a_right_answer_with_its_own_random_stream_passes(capsys):
+    """The check's tolerances hold for any right answer, not only for the draws of torch's generator."""
+    rng = random.Random(1)
+
+    def own_stream(p, q, x, u, generator):
+        if u * q[x] < p[x]:
+            return x
+        return rng.choices(range(len(p)), weights=residual(p, q).tolist())[0]
+    assert check_accept_draft(own_stream)
+    capsys.readouterr()
+
+
+BROKEN_ACCEPTS = {
+    "accepts with probability p(x)": lambda p, q, x, u, g: x if u < p[x] else draw(residual(p, q), g),
+    "accepts with probability q(x)/p(x)": lambda p, q, x, u, g: x if u * p[x] < q[x] else draw(residual(p, q), g),
+    "accepts when u is above the ratio": lambda p, q, x, u, g: x if u * q[x] >= p[x] else draw(residual(p, q), g),
+    "replaces from p": lambda p, q, x, u, g: x if u * q[x] < p[x] else draw(p, g),
+    "replaces from p without x": lambda p, q, x, u, g: x if u * q[x] < p[x] else draw(p * (torch.arange(len(p)) != x), g),
+    "replaces with the residual's argmax": lambda p, q, x, u, g: x if u * q[x] < p[x] else int(residual(p, q).argmax()),
+}
+
+
+@pytest.mark.parametrize("name", BROKEN_ACCEPTS)
+def test_an_accept_step_that_breaks_the_rule_fails(name, capsys):
+    assert not check_accept_draft(BROKEN_ACCEPTS[name])
+    assert "✗" in capsys.readouterr().out
+
+
+def test_an_unwritten_accept_step_says_so(capsys):
+    def stub(p, q, x, u, generator):
+        raise NotImplementedError
+    assert not check_accept_draft(stub)
+    assert "not written yet" in capsys.readouterr().out
+
+
+# ------------------------------------------------------------------ notebook 10: the picture of the passes
+def test_passes_follow_from_the_answer_and_the_drafts():
+    answer = [9, 1, 2, 3, 4, 5, 6, 7, 8]
+    guesses = {1: [1, 2, 3], 5: [5, 0, 7], 7: []}      # all kept + bonus; one kept then a correction; no drafts
+    passes = passes_from(answer, guesses)
+    assert passes == [Pass(1, [1, 2, 3], 3, [1, 2, 3, 4]), Pass(5, [5, 0, 7], 1, [5, 6]), Pass(7, [], 0, [7]),
+                      Pass(8, [], 0, [8])]
+    assert [p.rejected for p in passes] == [False, True, False, False]
+    assert sum(len(p.emitted) for p in passes) == len(answer) - 1
+    assert pick_window(passes, 2) == 0
+
+
+def test_the_picture_draws_every_kind_of_pass():
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    class Tok:
+        def decode(self, ids):
+            return " ".join(f"t{i}" for i in ids)
+    passes = passes_from([9, 1, 2, 3, 4, 5, 6, 7, 8], {1: [1, 2, 3], 5: [5, 0, 7], 7: []})
+    ax = draw_passes(passes, Tok(), count=3)
+    assert len(ax.patches) == 3 + 4 + 3 + 2 + 1       # drafts and emitted tokens of the three passes shown
+    plt.close("all")
