@@ -2,44 +2,47 @@
 against minillm's own implementation, prints what is right and, for what is wrong, what was expected,
 and returns True when everything passes. It never raises, so a notebook runs on to the next cell.
 
-    notebook 01  check_rms_norm, check_causal_attention        (model.py)
-    notebook 02  check_top_p, check_min_p                      (sampling.py)
-    notebook 03  check_kv_append, check_kv_bytes               (kv_cache.py)
-    notebook 04  check_repeat_kv, check_gqa_decode             (gqa.py)
-    notebook 05  check_online_softmax, check_merge_splits      (flash.py)
-    notebook 06  check_slot_lookup, check_blocks_needed        (paged.py)
-    notebook 07  check_decode_steps, check_pack                 (engine.py)
-    notebook 08  check_chunk_sizes, check_chunk_mask            (chunked.py)
-    notebook 09  check_chain, check_cached_tokens               (prefix.py)
-    notebook 10  check_verify_greedy, check_residual            (speculative.py)
-    notebook 11  check_parse_sse, check_percentile              (serving.py)
-    notebook 12  check_int8_rows, check_dequantize_q4_1         (quant.py)
-    notebook 13  check_qkv_shard, check_transfer_bytes          (distributed.py)
-    notebook 14  check_rope_roll, check_step_split              (step.py)
+    notebook 01  check_rms_norm, check_causal_attention                  (model.py)
+    notebook 02  check_top_p, check_min_p                                (sampling.py)
+    notebook 03  check_kv_append, check_kv_bytes                         (kv_cache.py)
+    notebook 04  check_repeat_kv, check_gqa_decode                       (gqa.py), check_ridge_batch (predict.py)
+    notebook 05  check_online_softmax, check_merge_splits                (flash.py)
+    notebook 06  check_slot_lookup, check_blocks_needed                  (paged.py)
+    notebook 07  check_decode_steps, check_schedule, check_pack          (engine.py)
+    notebook 08  check_chunk_sizes, check_chunk_mask                     (chunked.py), check_prediction (predict.py)
+    notebook 09  check_chain, check_cached_tokens, check_lru             (prefix.py)
+    notebook 10  check_verify_greedy, check_residual, check_accept_draft (speculative.py)
+    notebook 11  check_parse_sse, check_percentile                       (serving.py)
+    notebook 12  check_int8_rows, check_dequantize_q4_1                  (quant.py)
+    notebook 13  check_qkv_shard, check_transfer_bytes, check_ring_all_reduce (distributed.py)
+    notebook 14  check_rope_roll, check_step_split                       (step.py)
+
+`check_prediction` (predict.py) serves every predict-a-number exercise: the learner's number against what
+the notebook measured in the same run.
 """
 from .check import Case, run_checks
 from .chunked import check_chunk_mask, check_chunk_sizes
-from .distributed import check_qkv_shard, check_transfer_bytes
-from .engine import check_decode_steps, check_pack
+from .distributed import check_qkv_shard, check_ring_all_reduce, check_transfer_bytes
+from .engine import check_decode_steps, check_pack, check_schedule
 from .flash import check_merge_splits, check_online_softmax
 from .gqa import check_gqa_decode, check_repeat_kv
 from .kv_cache import check_kv_append, check_kv_bytes
 from .model import check_causal_attention, check_rms_norm
 from .paged import check_blocks_needed, check_slot_lookup
-from .prefix import check_cached_tokens, check_chain
+from .predict import check_prediction, check_ridge_batch
+from .prefix import check_cached_tokens, check_chain, check_lru
 from .quant import check_dequantize_q4_1, check_int8_rows
 from .sampling import check_min_p, check_top_p
 from .serving import check_parse_sse, check_percentile
-from .speculative import check_residual, check_verify_greedy
+from .speculative import check_accept_draft, check_residual, check_verify_greedy
 from .step import check_rope_roll, check_step_split
 
 __all__ = [
-    "Case", "check_blocks_needed", "check_cached_tokens", "check_causal_attention", "check_chain",
-    "check_chunk_mask", "check_chunk_sizes", "check_decode_steps", "check_dequantize_q4_1", "check_gqa_decode",
-    "check_int8_rows", "check_kv_append", "check_kv_bytes", "check_merge_splits", "check_min_p",
-    "check_online_softmax", "check_pack", "check_parse_sse", "check_percentile", "check_qkv_shard",
-    "check_repeat_kv", "check_residual", "check_rms_norm", "check_rope_roll", "check_slot_lookup",
-    "check_step_split", "check_top_p",
-    "check_transfer_bytes", "check_verify_greedy",
-    "run_checks"
+    "Case", "check_accept_draft", "check_blocks_needed", "check_cached_tokens", "check_causal_attention",
+    "check_chain", "check_chunk_mask", "check_chunk_sizes", "check_decode_steps", "check_dequantize_q4_1",
+    "check_gqa_decode", "check_int8_rows", "check_kv_append", "check_kv_bytes", "check_lru", "check_merge_splits",
+    "check_min_p", "check_online_softmax", "check_pack", "check_parse_sse", "check_percentile", "check_prediction",
+    "check_qkv_shard", "check_repeat_kv", "check_residual", "check_ridge_batch", "check_ring_all_reduce",
+    "check_rms_norm", "check_rope_roll", "check_schedule", "check_slot_lookup", "check_step_split", "check_top_p",
+    "check_transfer_bytes", "check_verify_greedy", "run_checks",
 ]
