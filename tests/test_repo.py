@@ -94,8 +94,8 @@ FACTS = {   # notebook -> phrases that hold on every machine, each with its reas
            "2–4× the throughput"],   # the PagedAttention paper's own result, cited
     "10": ["40 % of the time", "10 %"],                     # the worked example's own probabilities
     "12": ["150 % off",              # what reading the other layout does to a weight, by construction
-           "plus 1.5 %", "takes 31 %", "6 % for"],   # bytes per value of each format
-    "11": ["0.25 GiB KV cache", "30 s by default"],   # the server's settings
+           "takes 31 %", "6 % for"],   # bytes per value of each format
+    "11": ["30 s by default"],   # the server's settings
     "13": ["4.8 TB/s", "10 µs per collective", "450 GB/s"],   # an H200's and NVLink's data sheets, assumed
     "14": ["about 50× the bytes"],   # a 7B layer against a 135M layer, at the same bits
 }
