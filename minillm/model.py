@@ -47,8 +47,10 @@ def rope_tables(head_dim: int, positions: torch.Tensor, base: float) -> tuple[to
     frequency is used twice, for the pair (x_i, x_{i + head_dim/2}). The first half of
     `sin` is negated: rotate-half's minus sign, folded into the table (see apply_rope).
     """
-    inv_freq = 1.0 / base ** (torch.arange(0, head_dim, 2, dtype=torch.float32) / head_dim)  # (hd/2,)
-    angles = positions.float()[..., None] * inv_freq.to(positions.device)                   # (..., hd/2)
+    # built where positions live: a CUDA graph's captured step may not copy from the CPU
+    inv_freq = 1.0 / base ** (torch.arange(0, head_dim, 2, dtype=torch.float32, device=positions.device)
+                              / head_dim)                                                   # (hd/2,)
+    angles = positions.float()[..., None] * inv_freq                                        # (..., hd/2)
     angles = torch.cat([angles, angles], dim=-1)                                            # (..., hd)
     sign = torch.ones(head_dim, device=positions.device)
     sign[:head_dim // 2] = -1
