@@ -198,3 +198,7 @@ def test_kernels_compile_for_a_hopper_gpu_without_one():
         pytest.skip("triton's ptxas is not available here")
     assert r.returncode == 0, r.stderr[-2000:]
     assert r.stdout.count(" OK ") == 14
+    unspecialized = {line.split()[1]: set(line.split()[2:]) for line in r.stdout.splitlines()
+                     if line.startswith("unspecialized")}
+    assert unspecialized == {"_flash_fwd_kernel": {"s_bt"}, "_decode_split_kernel": {"n_splits", "s_bt"},
+                             "_decode_reduce_kernel": {"n_splits"}, "_dequant_matmul_kernel": {"M", "sx_m", "sy_m"}}

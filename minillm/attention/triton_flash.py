@@ -19,11 +19,17 @@ Memory traffic (HBM bytes, e = bytes per element, D head dim, per (sequence, hea
     flash: reads Q and writes O once (2 T D e), reads K and V once per BLOCK_M rows of queries
            (2 S D e x T / BLOCK_M), never touches T x S.
 
+Triton compiles a kernel for each set of its constexpr values and, unless told otherwise, for each kind of
+integer argument it sees (equal to 1, a multiple of 16, other). Arguments that change from one engine step
+to the next (a block table's width, the number of key slices) are marked `do_not_specialize`: each kernel
+compiles once, at warm-up, and never in the middle of a request.
+
 On a CPU these kernels run through the Triton interpreter (TRITON_INTERPRET=1, set before triton is
 imported): same code, executed with numpy, slow but exact. On a GPU they compile.
 """
 from __future__ import annotations
 
+import functools
 import math
 
 import torch
@@ -76,6 +82,43 @@ def _load_kv(X, X_s, x_off, s_off, row_ok, d_ok, offs_d, BITS: tl.constexpr):
 
 
 @triton.jit
+def _attend_tiles(q, m_i, l_i, acc, lo, hi, K, V, K_s, V_s, block_table, s_bt, seq, k_start, k_len, kv_head,
+                  offs_m, offset, sk_t, sk_h, sv_t, sv_h, ss_t, ss_h, scale_log2,
+                  D: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_D: tl.constexpr, CAUSAL: tl.constexpr,
+                  IEEE: tl.constexpr, PAGED: tl.constexpr, PAGE: tl.constexpr, KV_BITS: tl.constexpr,
+                  MASKED: tl.constexpr = False):
+    """The prefill kernel's walk over key tiles [lo, hi) for one block of queries. MASKED: scores of keys
+    past k_len (and, if CAUSAL, past each query's own position) are set to -inf; unmasked tiles skip that."""
+    offs_n = tl.arange(0, BLOCK_N)
+    offs_d = tl.arange(0, BLOCK_D)
+    d_ok = offs_d < D
+    for start_n in range(lo, hi, BLOCK_N):
+        cols = start_n + offs_n
+        if PAGED:  # key j of this sequence lives in page block_table[seq, j // PAGE], at row j % PAGE
+            page = tl.load(block_table + seq * s_bt + cols // PAGE, mask=cols < k_len, other=0)
+            rows = page * PAGE + cols % PAGE
+        else:      # packed: the sequence's keys follow one another from k_start
+            rows = k_start + cols
+        # Read a K tile and a V tile: 2 x BLOCK_N x D x e bytes (quantized: D or D / 2 bytes a row, + scales).
+        row_ok = cols < k_len
+        s_off = rows * ss_t + kv_head * ss_h
+        k = _load_kv(K, K_s, rows * sk_t + kv_head * sk_h, s_off, row_ok, d_ok, offs_d, KV_BITS).to(q.dtype)
+        v = _load_kv(V, V_s, rows * sv_t + kv_head * sv_h, s_off, row_ok, d_ok, offs_d, KV_BITS).to(q.dtype)
+        if IEEE:
+            s = tl.dot(q, tl.trans(k), input_precision="ieee")
+        else:
+            s = tl.dot(q, tl.trans(k))
+        s = s * scale_log2                                                    # (BLOCK_M, BLOCK_N), in registers only
+        if MASKED:
+            visible = cols[None, :] < k_len
+            if CAUSAL:
+                visible = visible & (cols[None, :] <= offs_m[:, None] + offset)
+            s = tl.where(visible, s, float("-inf"))
+        m_i, l_i, acc = _online_softmax_step(s, v, m_i, l_i, acc, IEEE)
+    return m_i, l_i, acc
+
+
+@triton.jit(do_not_specialize=["s_bt"])
 def _flash_fwd_kernel(
     Q, K, V, O, cu_q, cu_k, scale_log2, block_table, s_bt,
     sq_t, sq_h, sk_t, sk_h, sv_t, sv_h, so_t, so_h,       # strides (the last dim is contiguous)
@@ -94,7 +137,6 @@ def _flash_fwd_kernel(
         return
     kv_head = head // GROUP                        # GQA: read the shared KV head, never a copy
     offs_m = m_block * BLOCK_M + tl.arange(0, BLOCK_M)
-    offs_n = tl.arange(0, BLOCK_N)
     offs_d = tl.arange(0, BLOCK_D)
     d_ok = offs_d < D
     # Read the Q tile once: BLOCK_M x D x e bytes.
@@ -105,38 +147,28 @@ def _flash_fwd_kernel(
     acc = tl.zeros([BLOCK_M, BLOCK_D], tl.float32)        # running sum of probabilities x V
     # Bottom-right causal: query i sits at key position i + (k_len - q_len).
     offset = k_len - q_len
-    end_n = k_len
+    hi = k_len
     if CAUSAL:
-        end_n = tl.minimum(k_len, (m_block + 1) * BLOCK_M + offset)  # tiles wholly above the diagonal: skipped
-    for start_n in range(0, end_n, BLOCK_N):
-        cols = start_n + offs_n
-        if PAGED:  # key j of this sequence lives in page block_table[seq, j // PAGE], at row j % PAGE
-            page = tl.load(block_table + seq * s_bt + cols // PAGE, mask=cols < k_len, other=0)
-            rows = page * PAGE + cols % PAGE
-        else:      # packed: the sequence's keys follow one another from k_start
-            rows = k_start + cols
-        # Read a K tile and a V tile: 2 x BLOCK_N x D x e bytes (quantized: D or D / 2 bytes a row, + scales).
-        row_ok = cols < k_len
-        s_off = rows * ss_t + kv_head * ss_h
-        k = _load_kv(K, K_s, rows * sk_t + kv_head * sk_h, s_off, row_ok, d_ok, offs_d, KV_BITS).to(q.dtype)
-        v = _load_kv(V, V_s, rows * sv_t + kv_head * sv_h, s_off, row_ok, d_ok, offs_d, KV_BITS).to(q.dtype)
-        if IEEE:
-            s = tl.dot(q, tl.trans(k), input_precision="ieee")
-        else:
-            s = tl.dot(q, tl.trans(k))
-        s = s * scale_log2                                                    # (BLOCK_M, BLOCK_N), in registers only
-        visible = cols[None, :] < k_len
-        if CAUSAL:
-            visible = visible & (cols[None, :] <= offs_m[:, None] + offset)
-        s = tl.where(visible, s, float("-inf"))
-        m_i, l_i, acc = _online_softmax_step(s, v, m_i, l_i, acc, IEEE)
+        hi = tl.minimum(k_len, (m_block + 1) * BLOCK_M + offset)     # tiles wholly above the diagonal: skipped
+        first = tl.maximum(m_block * BLOCK_M + offset + 1, 0)        # keys the block's first query sees
+        lo = tl.minimum(first // BLOCK_N * BLOCK_N, hi)
+    else:
+        lo = k_len // BLOCK_N * BLOCK_N
+    # Tiles [0, lo): every query of the block sees every key, so no mask is computed. Tiles [lo, hi): the
+    # diagonal (and the last partial tile), masked.
+    m_i, l_i, acc = _attend_tiles(q, m_i, l_i, acc, 0, lo, K, V, K_s, V_s, block_table, s_bt, seq, k_start,
+                                  k_len, kv_head, offs_m, offset, sk_t, sk_h, sv_t, sv_h, ss_t, ss_h, scale_log2,
+                                  D, BLOCK_N, BLOCK_D, False, IEEE, PAGED, PAGE, KV_BITS)
+    m_i, l_i, acc = _attend_tiles(q, m_i, l_i, acc, lo, hi, K, V, K_s, V_s, block_table, s_bt, seq, k_start,
+                                  k_len, kv_head, offs_m, offset, sk_t, sk_h, sv_t, sv_h, ss_t, ss_h, scale_log2,
+                                  D, BLOCK_N, BLOCK_D, CAUSAL, IEEE, PAGED, PAGE, KV_BITS, MASKED=True)
     out = acc / tl.where(l_i > 0, l_i, 1.0)[:, None]                        # a query with no keys: acc = 0
     # Write the O tile once: BLOCK_M x D x e bytes.
     tl.store(O + (q_start + offs_m)[:, None] * so_t + head * so_h + offs_d[None, :],
              out.to(O.dtype.element_ty), mask=(offs_m[:, None] < q_len) & d_ok[None, :])
 
 
-@triton.jit
+@triton.jit(do_not_specialize=["n_splits", "s_bt"])
 def _decode_split_kernel(
     Q, K, V, seqlens, O_part, LSE_part, scale_log2, n_splits, block_table, s_bt,
     sq_b, sq_h, sk_b, sk_t, sk_h, sv_b, sv_t, sv_h, so_b, so_h, so_s, sl_b, sl_h,
@@ -192,7 +224,7 @@ def _decode_split_kernel(
     tl.store(LSE_part + b * sl_b + heads * sl_h + split, lse, mask=h_ok)
 
 
-@triton.jit
+@triton.jit(do_not_specialize=["n_splits"])
 def _decode_reduce_kernel(
     O_part, LSE_part, O, n_splits, so_b, so_h, so_s, sl_b, sl_h, sO_b, sO_h,
     D: tl.constexpr, BLOCK_S: tl.constexpr, BLOCK_D: tl.constexpr,
@@ -269,7 +301,7 @@ def _blocks(D: int) -> int:
 def flash_attn_varlen(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k=None,
                       causal: bool = True, softmax_scale: float | None = None, block_table=None,
                       block_m: int = 64, block_n: int = 64, out: torch.Tensor | None = None,
-                      num_warps: int = 4, num_stages: int = 2) -> torch.Tensor:
+                      num_warps: int = 4, num_stages: int = 3) -> torch.Tensor:
     """Packed variable-length attention. q: (total_q, H, D); k, v: (total_k, H_kv, D);
     cu_seqlens_*: (batch + 1,) int32 cumulative lengths -> out (total_q, H, D).
 
@@ -311,6 +343,12 @@ def _paged_view(k, v, block_table):
     return k.reshape(-1, *k.shape[2:]), v.reshape(-1, *v.shape[2:]), page, block_table
 
 
+@functools.cache
+def _sm_count(index: int | None) -> int:
+    """The GPU's multiprocessors, asked once: asking costs more host time than a short decode kernel runs."""
+    return torch.cuda.get_device_properties(torch.cuda.current_device() if index is None else index).multi_processor_count
+
+
 def default_num_splits(batch: int, kv_heads: int, max_seqlen: int, block_n: int, device,
                        sm_count: int | None = None) -> int:
     """Enough slices that batch x kv_heads x splits fills the GPU (about 2 programs per SM), but no slice
@@ -318,7 +356,7 @@ def default_num_splits(batch: int, kv_heads: int, max_seqlen: int, block_n: int,
     (a 40-token cache in 8,192 slots is one tile, one slice). On CPU (the interpreter) fewer, larger slices
     are faster. sm_count: the GPU's streaming multiprocessors (default: asked of the device)."""
     if device.type == "cuda":
-        target = 2 * (sm_count or torch.cuda.get_device_properties(device).multi_processor_count)
+        target = 2 * (sm_count or _sm_count(device.index))
     else:
         target = 4
     want = triton.cdiv(target, batch * kv_heads)

@@ -26,7 +26,7 @@ import triton.language as tl  # noqa: E402
 GROUP = 32
 
 
-@triton.jit
+@triton.jit(do_not_specialize=["M", "sx_m", "sy_m"])
 def _dequant_matmul_kernel(X, W, S, Mn, Y, M, N, K, sx_m, sw_n, ss_n, sy_m,
                            Q4: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr):
     pid_m, pid_n = tl.program_id(0), tl.program_id(1)

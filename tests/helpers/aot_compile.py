@@ -40,7 +40,7 @@ for dt, D, paged, bits in (("bf16", 128, False, 0), ("fp16", 64, True, 0), ("fp3
            **consts(["D", "GROUP", "CAUSAL", "IEEE", "BLOCK_M", "BLOCK_N", "BLOCK_D", "PAGED", "PAGE", "KV_BITS"])}
     build(tf._flash_fwd_kernel, sig, {"D": D, "GROUP": 4, "CAUSAL": True, "IEEE": dt == "fp32", "BLOCK_M": 64,
                                       "BLOCK_N": 64, "BLOCK_D": D, "PAGED": paged, "PAGE": 16, "KV_BITS": bits},
-          f"prefill-{tag}", num_warps=4, num_stages=2)
+          f"prefill-{tag}", num_warps=4, num_stages=3)
     sig = {"Q": f"*{dt}", "K": kv, "V": kv, "seqlens": "*i32", "O_part": "*fp32", "LSE_part": "*fp32",
            "scale_log2": "fp32", "n_splits": "i32", "block_table": "*i32", "s_bt": "i32",
            **{n: "i32" for n in ["sq_b", "sq_h", "sk_b", "sk_t", "sk_h", "sv_b", "sv_t", "sv_h",
@@ -62,3 +62,6 @@ for q4 in (False, True):
            **consts(["Q4", "BLOCK_M", "BLOCK_N"])}
     build(tq._dequant_matmul_kernel, sig, {"Q4": q4, "BLOCK_M": 64, "BLOCK_N": 64}, f"matmul-{'q4' if q4 else 'int8'}",
           num_warps=4)
+# Arguments that change from step to step are not specialized on (else a serving run compiles mid-request).
+for fn in (tf._flash_fwd_kernel, tf._decode_split_kernel, tf._decode_reduce_kernel, tq._dequant_matmul_kernel):
+    print("unspecialized", fn.__name__, " ".join(p.name for p in fn.params if p.do_not_specialize))
