@@ -208,7 +208,10 @@ def quantized_copy(model, quant: str):
         raise ValueError(f"the model is already quantized ({model.quant}): a quantized draft of it would not be cheaper")
     copies = _copies.setdefault(model, {})
     if quant not in copies:
-        copies[quant] = quantize_model(copy.deepcopy(model), quant, progress=False)
+        # A copy of the modules that shares the float parameters (the memo maps each to itself): quantizing
+        # replaces the copy's linear layers and leaves the model's own, and no second float model is made.
+        shell = copy.deepcopy(model, memo={id(p): p for p in model.parameters()})
+        copies[quant] = quantize_model(shell, quant, progress=False)
     return copies[quant]
 
 
