@@ -89,7 +89,7 @@ FACTS = {   # notebook -> phrases that hold on every machine, each with its reas
            "cache 3× against MHA",
            "the 3× larger copy",
            "by ±10%"],               # the size of run-to-run noise, a caution and not a result
-    "05": ["about **8×** less traffic", "(≈ 8× with 64-row blocks)"],   # 8 × BLOCK_M / D with BLOCK_M = D = 64
+    "05": ["about **8×** less traffic", "(≈ 8× with 64-row blocks)", "The 8× counts only"],   # 8 × BLOCK_M / D with BLOCK_M = D = 64
     "06": ["95% of its memory",      # 200 tokens of 4,096 reserved
            "2–4× the throughput"],   # the PagedAttention paper's own result, cited
     "10": ["40 % of the time", "10 %"],                     # the worked example's own probabilities

@@ -116,6 +116,12 @@ def show_serving(run: dict) -> None:
         print(f"\nOne stream: decode steps replayed from CUDA graphs give {one['graphs_tokens_per_s']:.0f} tok/s, "
               f"{versus(one['graphs_tokens_per_s'], one['eager_tokens_per_s'])} the {one['eager_tokens_per_s']:.0f} "
               f"tok/s of the same steps launched one kernel at a time (same tokens: {one['same_tokens']}).")
+    flips = run["parts"].get("flips") or {}
+    f32 = flips.get("dtype", {}).get("float32")
+    if f32:
+        t1, t64 = 1 / f32["one_stream_tokens_per_s"], 64 / f32["batch_64_tokens_per_s"]
+        print(f"A graphed decode step takes {t1 * 1e3:.1f} ms for 1 stream and {t64 * 1e3:.1f} ms for 64: "
+              f"{t64 / t1:.1f}× the time for 64× the tokens.")
 
 
 def show_chunk_budget(run: dict) -> None:
@@ -152,6 +158,11 @@ def show_speculation(run: dict) -> None:
         print(f"{name:>10}: {r['decode_tokens_per_s']:>5.0f} tok/s{same}")
     best = max((r["decode_tokens_per_s"], n) for n, r in spec.items() if n != "none" and "error" not in r)
     print(f"\nThe best proposer ({best[1]}) decodes at a rate {versus(best[0], base)} plain decoding's on this GPU.")
+    one = run["parts"].get("single_stream") or {}
+    if "eager_tokens_per_s" in one:
+        print(f"Plain decoding launched kernel by kernel, as the speculative rounds are, makes "
+              f"{one['eager_tokens_per_s']:.0f} tok/s (notebook 07): the best proposer's rate is "
+              f"{versus(best[0], one['eager_tokens_per_s'])} that.")
 
 
 def show_quantized(run: dict) -> None:
