@@ -1,13 +1,15 @@
-"""Decode attention over a paged KV cache on a CPU: the engine's gather + SDPA against two ways of reading
-the pages in place.
+"""Decode attention over a paged KV cache on a CPU: gather + SDPA against three ways of reading the pages
+in place.
 
-The engine's torch backend (`minillm/attention/paged_torch.py`) copies each request's pages into a
-contiguous workspace, then calls SDPA. The copy is pure overhead, so this measures what reading in place
-would buy, per layer, at the shapes of a busy decode step (SmolLM2's 9 query and 3 KV heads of 64, pages
-of 16 tokens, shuffled over the pool):
+The torch backend (`minillm/attention/paged_torch.py`) copies each request's pages into a contiguous
+workspace, then calls SDPA. The copy is pure overhead, so this measures what reading in place buys, per
+layer, at the shapes of a busy decode step (SmolLM2's 9 query and 3 KV heads of 64, pages of 16 tokens,
+shuffled over the pool):
 
-    gather + SDPA        the engine's path, and its two parts timed apart (the gather alone; SDPA on
+    gather + SDPA        the torch backend, and its two parts timed apart (the gather alone; SDPA on
                          already gathered keys), which bounds what skipping the copy can save
+    C kernel             the cpu backend (`cpu_paged.c`, built on this machine): one task per request and
+                         KV head, its pages read through the block table, the softmax kept online
     compiled gather      one function that indexes the pool through the block table and attends,
                          compiled by inductor into loops that read the pages where they lie
     FlexAttention        `flex_attention` with a paged block mask (each request's pages as its KV
@@ -34,37 +36,11 @@ import torch
 import torch.nn.functional as F
 from torch.nn.attention.flex_attention import BlockMask, flex_attention
 
-from minillm.attention.paged_torch import gather_pages, paged_attention, plan_paged_attention, workspace_for
+from minillm.attention.paged_torch import gather_pages, paged_attention
 from minillm.course.bench import machine_info
+from minillm.course.paged_case import BLOCK, D, H, H_KV, decode_plans, make_case, reference
 
-H, H_KV, D, BLOCK = 9, 3, 64, 16
 CASES = [(64, 200), (16, 1000)]          # (requests, mean context): a busy step, and fewer longer ones
-
-
-def make_case(n: int, context: int, pool_blocks: int, seed: int = 0):
-    g = torch.Generator().manual_seed(seed)
-    k_lens = [context - context // 5 + int(torch.randint(0, 2 * (context // 5) + 1, (1,), generator=g)) for _ in range(n)]
-    need = [-(-k // BLOCK) for k in k_lens]
-    num_blocks = max(pool_blocks, sum(need) + 1)
-    pool_k = torch.randn(num_blocks, BLOCK, H_KV, D, generator=g)
-    pool_v = torch.randn(num_blocks, BLOCK, H_KV, D, generator=g)
-    order = (torch.randperm(num_blocks - 1, generator=g) + 1).tolist()     # pages scattered over the pool
-    tables, at = [], 0
-    for w in need:
-        tables.append(order[at:at + w])
-        at += w
-    q = torch.randn(n, H, D, generator=g)
-    return q, pool_k, pool_v, k_lens, tables
-
-
-def reference(q, pool_k, pool_v, k_lens, tables) -> torch.Tensor:
-    out = []
-    for i, (k_len, table) in enumerate(zip(k_lens, tables)):
-        k = pool_k[table].flatten(0, 1)[:k_len].double().repeat_interleave(H // H_KV, 1)   # (S, H, D)
-        v = pool_v[table].flatten(0, 1)[:k_len].double().repeat_interleave(H // H_KV, 1)
-        p = torch.einsum("hd,shd->hs", q[i].double(), k).mul(D ** -0.5).softmax(-1)          # (H, S)
-        out.append(torch.einsum("hs,shd->hd", p, v))
-    return torch.stack(out)                                                                  # (n, H, D)
 
 
 def gather_attend(q, pool_k, pool_v, table, lens):
@@ -111,8 +87,8 @@ def median_ms(fn, repeats: int = 20) -> float:
 def run_case(n: int, context: int, pool_blocks: int, rounds: int) -> dict:
     q, pk, pv, k_lens, tables = make_case(n, context, pool_blocks)
     ref = reference(q, pk, pv, k_lens, tables)
-    plan = plan_paged_attention([1] * n, k_lens, tables, BLOCK, "cpu")
-    plan.workspace = (workspace_for(plan, pk, None), workspace_for(plan, pv, None))
+    plans = decode_plans(k_lens, tables, pk, pv)
+    plan = plans["gather + SDPA"]
     page = pk[0].numel()
 
     def gathers():
@@ -134,8 +110,7 @@ def run_case(n: int, context: int, pool_blocks: int, rounds: int) -> dict:
     mask = paged_block_mask(k_lens, tables, pk.shape[0])
     kp, vp = (p.flatten(0, 1)[None].transpose(1, 2).expand(n, -1, -1, -1) for p in (pk, pv))   # (n, H_kv, keys, D)
     flex = torch.compile(flex_attention, dynamic=False)
-    variants = {
-        "gather + SDPA": lambda: paged_attention(q, pk, pv, plan),
+    variants = {name: (lambda p=p: paged_attention(q, pk, pv, p)) for name, p in plans.items()} | {
         "compiled gather": lambda: compiled(q, pk, pv, table, lens),
         "FlexAttention": lambda: flex(q[:, :, None], kp, vp, block_mask=mask, enable_gqa=True)[:, :, 0],
     }

@@ -234,7 +234,7 @@ class PagedRunner(_Runner):
         pages are tables[i], end at key k_lens[i]. Logits (M, vocab) of the rows logit_rows (M,)."""
         dev = self.model.device
         attn = PagedAttention(self.pool, q_lens, k_lens, tables, self.attention, self._workspace)
-        if self.attention == "torch":
+        if self.attention in ("cpu", "torch"):
             self._workspace = attn.workspace
         logits = self.model(torch.tensor([ids], device=dev), torch.tensor(positions, device=dev), attn,
                             logit_indices=torch.tensor(logit_rows, device=dev, dtype=torch.long), n_layers=n_layers)

@@ -13,7 +13,9 @@ pages, with one of two backends:
 
     "triton"   the kernels of `triton_paged.py`: they read pages in place through the block table
                (`decode_attention` when every sequence brings one token, else `flash_attn_varlen`)
-    "torch"    gathered pages + SDPA (`paged_torch.py`): the engine's choice on a CPU
+    "cpu"      decodes read in place by a C kernel built on this machine (`cpu_kernel.py`), prefill
+               chunks gathered for SDPA: the engine's choice on a CPU that has a C compiler
+    "torch"    gathered pages + SDPA (`paged_torch.py`): the choice on a CPU without one
 """
 from __future__ import annotations
 
@@ -21,20 +23,25 @@ import torch
 
 from ..kv.quantized import QuantizedKV
 from ..triton_support import require_triton
+from . import cpu_kernel
 from .paged_torch import paged_attention, plan_paged_attention, workspace_for
 
-BACKENDS = ("torch", "triton")
+BACKENDS = ("cpu", "torch", "triton")
 
 
 def check_backend(backend: str, on_gpu: bool, what: str = "the triton attention backend") -> str:
-    """"auto" (triton on a GPU, torch elsewhere), "torch" or "triton" -> the backend; else ValueError.
-    Triton where it is not installed: TritonUnavailable, naming `what` needs it."""
+    """"auto" (triton on a GPU; elsewhere cpu where its kernel builds, else torch), "cpu", "torch" or
+    "triton" -> the backend; else ValueError. Triton where it is not installed: TritonUnavailable, naming
+    `what` needs it; "cpu" where no compiler builds its kernel, or on a GPU: ValueError."""
     if backend == "auto":
-        backend = "triton" if on_gpu else "torch"
+        backend = "triton" if on_gpu else "cpu" if cpu_kernel.available() else "torch"
     if backend not in BACKENDS:
         raise ValueError(f"attention must be 'auto' or one of {BACKENDS}; got {backend!r}")
     if backend == "triton":
         require_triton(what)
+    if backend == "cpu" and (on_gpu or not cpu_kernel.available()):
+        raise ValueError("attention='cpu' needs the model on the CPU and a C compiler to build its kernel "
+                         "(none worked here: use 'torch')")
     return backend
 
 
@@ -47,8 +54,9 @@ class PagedAttention:
         dev, bs = pool.device, pool.block_size
         slots = [table[p // bs] * bs + p % bs for table, q, k in zip(tables, q_lens, k_lens) for p in range(k - q, k)]
         self.slots = torch.tensor(slots, dtype=torch.long, device=dev)                   # (N,)
-        if backend == "torch":
-            self.plan = plan_paged_attention(q_lens, k_lens, tables, bs, dev)
+        if backend in ("cpu", "torch"):
+            in_place = backend == "cpu" and cpu_kernel.supports(pool.k[0])   # int8/int4 or float16: gathered
+            self.plan = plan_paged_attention(q_lens, k_lens, tables, bs, dev, in_place)
             self.workspace = tuple(workspace_for(self.plan, pool.k[0], w) for w in workspace)
             self.plan.workspace = self.workspace
             return
@@ -72,7 +80,7 @@ class PagedAttention:
         else:                                                            # QuantizedKV: quantized as it is written
             kc.view(-1, *kc.shape[2:]).index_copy_(0, self.slots, k)    # (slots, n_kv, hd)
             vc.view(-1, *vc.shape[2:]).index_copy_(0, self.slots, v)
-        if self.backend == "torch":
+        if self.backend in ("cpu", "torch"):
             out = paged_attention(q, kc, vc, self.plan)                  # (N, H, hd)
         elif self.decode:
             out = self.kernels.decode_attention(q, kc, vc, self.k_lens, block_table=self.table,

@@ -15,6 +15,9 @@ tensor (one copy of its K/V) and handed to `F.scaled_dot_product_attention`:
 
 Which requests are which, and what to gather, is the same in every layer: `plan_paged_attention`
 works it out once per step, and `paged_attention` runs it 30 times.
+
+With `in_place` (the "cpu" backend) the decodes skip the gather: the C kernel of `cpu_paged.c` reads
+their pages where they are, through a block table, the way the Triton decode kernel does on a GPU.
 """
 from __future__ import annotations
 
@@ -24,6 +27,7 @@ import torch
 import torch.nn.functional as F
 
 from ..kv.quantized import QuantizedKV
+from . import cpu_kernel
 from .sdpa import sdpa_attention
 
 
@@ -44,15 +48,26 @@ class PagedPlan:
     chunks: list[tuple[int, int, torch.Tensor, int]]   # (first query row, queries, pages, keys)
     num_pages: int                        # pages the decode groups gather, in all
     workspace: tuple | None = None        # (K, V) flat gather buffers, reused by every layer
+    in_place: tuple | None = None         # decodes for the C kernel: rows (n,), table (n, W) int32, lens (n,) int32
 
 
 def plan_paged_attention(q_lens: list[int], k_lens: list[int], tables: list[list[int]],
-                         block_size: int, device) -> PagedPlan:
-    """q_lens[i] new queries of request i attend to its first k_lens[i] keys, stored in pages tables[i]."""
+                         block_size: int, device, in_place: bool = False) -> PagedPlan:
+    """q_lens[i] new queries of request i attend to its first k_lens[i] keys, stored in pages tables[i].
+    in_place: the decodes are read where they are by the C kernel (no groups, no gather)."""
     starts = [0]
     for n in q_lens:
         starts.append(starts[-1] + n)
     need = [-(-k // block_size) for k in k_lens]                                      # pages per request
+    chunks = [(starts[i], q_lens[i], torch.tensor(tables[i][:need[i]], device=device), k_lens[i])
+              for i, n in enumerate(q_lens) if n > 1]
+    if in_place:
+        dec = [i for i, n in enumerate(q_lens) if n == 1]
+        width = max((need[i] for i in dec), default=0)
+        table = torch.tensor([tables[i][:need[i]] + [0] * (width - need[i]) for i in dec], dtype=torch.int32)
+        decodes = (torch.tensor([starts[i] for i in dec]), table.view(len(dec), width),
+                   torch.tensor([k_lens[i] for i in dec], dtype=torch.int32))
+        return PagedPlan([], chunks, 0, in_place=decodes if dec else None)
     dec = sorted((i for i, n in enumerate(q_lens) if n == 1), key=lambda i: -need[i])
     buckets, current, total = [], [], 0
     for i in dec:                           # longest first; a new group when padding would pass the slack
@@ -72,8 +87,6 @@ def plan_paged_attention(q_lens: list[int], k_lens: list[int], tables: list[list
         groups.append(DecodeGroup(torch.tensor([starts[i] for i in b], device=device),
                                   torch.tensor(pages, device=device), mask, offset))
         offset += len(pages)
-    chunks = [(starts[i], q_lens[i], torch.tensor(tables[i][:need[i]], device=device), k_lens[i])
-              for i, n in enumerate(q_lens) if n > 1]
     return PagedPlan(groups, chunks, offset)
 
 
@@ -108,6 +121,8 @@ def workspace_for(plan: PagedPlan, cache: torch.Tensor, workspace: torch.Tensor 
 def paged_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, plan: PagedPlan) -> torch.Tensor:
     """q (N, H, D) packed queries; k_cache, v_cache (num_blocks, block_size, H_kv, D) -> (N, H, D)."""
     out = torch.empty_like(q)
+    if plan.in_place is not None:                                           # decodes: pages read in place
+        cpu_kernel.paged_decode(q, k_cache, v_cache, *plan.in_place, out)
     page = k_cache[0].numel()
     for g in plan.groups:
         n = g.rows.numel()

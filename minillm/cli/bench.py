@@ -109,7 +109,8 @@ def cmd_bench_serve(args) -> None:
                                  engine_options={"max_num_batched_tokens": args.max_num_batched_tokens,
                                                  "enable_prefix_caching": not args.no_prefix_caching,
                                                  "kv_cache_dtype": args.kv_cache_dtype,
-                                                 "enforce_eager": args.enforce_eager},
+                                                 "enforce_eager": args.enforce_eager,
+                                                 "attention": args.attention},
                                  timeout_s=args.timeout, on_result=show)
     workload = {"file": args.workload or "data/request_trace.jsonl", "num_requests": len(items),
                 "request_rate": args.request_rate if args.request_rate != float("inf") else "inf",

@@ -36,6 +36,13 @@ def _add_compile_arg(p):
                         "and no --compile")
 
 
+def _add_attention_arg(p):
+    p.add_argument("--attention", default="auto", choices=["auto", "cpu", "torch", "triton"],
+                   help="the engine's paged attention: cpu (a C kernel built here reads pages in place), torch "
+                        "(pages gathered for SDPA), triton (the GPU kernels); default auto: triton on a GPU, "
+                        "else cpu where a C compiler builds it, else torch")
+
+
 def _add_precision_args(p):
     from .. import DTYPES
     from ..quant import FORMATS
@@ -116,6 +123,7 @@ def build_parser() -> argparse.ArgumentParser:
     se.add_argument("--route-signal", default="mean", choices=["mean", "min", "entropy"],
                     help="the confidence 'auto' reads (default mean; see minillm/routing.py)")
     _add_model_args(se, stage=False, many=True)
+    _add_attention_arg(se)
     _add_speculative_args(se)
 
     co = sub.add_parser("course", help="open the course notebooks in JupyterLab")
@@ -147,6 +155,7 @@ def build_parser() -> argparse.ArgumentParser:
     sv.add_argument("--shared-prefix-tokens", type=int, default=0,
                     help="every prompt starts with the same N tokens (a shared system prompt)")
     sv.add_argument("--no-prefix-caching", action="store_true", help="turn the engine's prefix cache off")
+    _add_attention_arg(sv)
     sv.add_argument("--timeout", type=float, default=1800.0, help="seconds per system before giving up")
     sv.add_argument("--url", default=None, help="load-test a running OpenAI-compatible server at this address "
                                                 "instead of the engine in this process")

@@ -49,12 +49,16 @@ def cmd_serve(args) -> None:
     engines, where = {}, None
     for name, path, quant in models:
         model, tok, where = load(Namespace(**{**vars(args), "model": path, "quant": quant or args.quant}))
-        engines[name or model.cfg.name] = LLMEngine(
-            model, tok, max_num_seqs=args.max_num_seqs, max_num_batched_tokens=args.max_num_batched_tokens,
-            kv_cache_memory=int(args.kv_cache_memory * 2**30), max_model_len=args.max_model_len,
-            enable_prefix_caching=not args.no_prefix_caching, speculative=args.speculative,
-            num_speculative_tokens=args.num_speculative_tokens, kv_cache_dtype=args.kv_cache_dtype,
-            enforce_eager=args.enforce_eager, adaptive_speculation=args.adaptive_speculation)
+        try:
+            engines[name or model.cfg.name] = LLMEngine(
+                model, tok, max_num_seqs=args.max_num_seqs, max_num_batched_tokens=args.max_num_batched_tokens,
+                kv_cache_memory=int(args.kv_cache_memory * 2**30), max_model_len=args.max_model_len,
+                enable_prefix_caching=not args.no_prefix_caching, speculative=args.speculative,
+                num_speculative_tokens=args.num_speculative_tokens, kv_cache_dtype=args.kv_cache_dtype,
+                enforce_eager=args.enforce_eager, adaptive_speculation=args.adaptive_speculation,
+                attention=args.attention)
+        except ValueError as e:   # e.g. --attention cpu where no compiler builds its kernel
+            fail(str(e))
     names = list(engines)
     route = None
     if args.route_threshold is not None:

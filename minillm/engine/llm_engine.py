@@ -49,7 +49,7 @@ class EngineConfig:
     policy: str = "continuous"              # or "static" (the baseline)
     enable_chunked_prefill: bool = True
     max_model_len: int | None = None        # None: the model's context
-    attention: str = "auto"                 # "torch" (gathered pages + SDPA), "triton"; auto: triton on a GPU
+    attention: str = "auto"                 # "cpu" (C kernel), "torch" (gathered pages + SDPA), "triton"; auto: triton on a GPU, else cpu where it builds
     enable_prefix_caching: bool = True
     speculative: object = None              # a proposer: "ngram", "layers:N", "draft:q4", "ngram+draft:q4", a Proposer
     num_speculative_tokens: int = 4

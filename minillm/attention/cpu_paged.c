@@ -1,0 +1,187 @@
+/* Paged decode attention for a CPU: each request's keys and values read in place from the pool's pages.
+
+   The torch backend gathers a request's pages into a copy and hands it to SDPA: every key is read,
+   written and read again, and SDPA runs one query row per head. This kernel is the CPU's version of the
+   Triton decode kernel: one task per (request, KV head); the G query heads that share that KV head
+   attend together (each key is loaded once for all G of them); keys come a tile of 16 at a time through
+   the block table; the softmax is kept online (running max m, running sum l, accumulator acc), so nothing
+   the size of the context is ever written.
+
+   Shapes (float32 or bfloat16, given by `bf16`; head_dim D a multiple of 16):
+       q      rows at q + row * sq_n + head * sq_h, D numbers each (H heads, G = H / Hkv per KV head)
+       k, v   (num_blocks, bs, Hkv, D) contiguous: key t of a request is in page table[t / bs], slot t % bs
+       table  (n, W) int32: request i's pages;  rows (n,) int64: its query row;  lens (n,) int32: its keys
+       out    rows at out + row * so_n + head * so_h
+
+   `vec` is 16 floats handled as one value (GCC and Clang vector extensions): one AVX-512 register, two
+   AVX2 registers, four NEON registers; the compiler picks the instructions for this CPU (-march=native).
+   Built at first use by `cpu_kernel.py`; the engine falls back to gather + SDPA where there is no compiler. */
+#include <math.h>
+#include <stdint.h>
+#include <string.h>
+
+#define TILE 16      /* keys per online-softmax update: one vec of scores per query head */
+#define MAX_G 16
+#define MAX_DV 16    /* head_dim up to 16 vecs (256) */
+
+typedef float vec __attribute__((vector_size(64)));
+typedef int32_t ivec __attribute__((vector_size(64)));
+
+static inline vec splat(float x) { return (vec){0} + x; }
+
+static inline float hsum(vec x) {
+    float s = 0.0f;
+    for (int i = 0; i < 16; i++) s += x[i];
+    return s;
+}
+
+static inline vec load_vec(const void *p, int bf16) {        /* 16 numbers; bfloat16 widened to float32 */
+    if (!bf16) {
+        vec x;
+        memcpy(&x, p, sizeof x);
+        return x;
+    }
+    uint16_t h[16];
+    int32_t w[16];
+    memcpy(h, p, sizeof h);
+    for (int i = 0; i < 16; i++) w[i] = (int32_t)h[i] << 16;
+    vec x;
+    memcpy(&x, w, sizeof x);
+    return x;
+}
+
+static inline uint16_t float_to_bf16(float f) {          /* round to nearest, ties to even (as torch) */
+    uint32_t u;
+    memcpy(&u, &f, 4);
+    if ((u & 0x7fffffffu) > 0x7f800000u) return (uint16_t)((u >> 16) | 0x40);   /* NaN stays NaN */
+    u += 0x7fffu + ((u >> 16) & 1u);
+    return (uint16_t)(u >> 16);
+}
+
+/* e^x for x <= 0 (scores minus the running max), 16 at a time: 2^(x log2 e) split into 2^i (written into
+   the exponent bits) and e^f, |f| <= ln2 / 2, by its Taylor series to f^6 (relative error about 1e-7). */
+static inline vec exp_nonpositive(vec x) {
+    vec t = x * 1.44269504f;
+    ivec below = t < -126.0f;                                /* below: ~1e-38, as good as 0 (-inf too) */
+    t = (vec)(((ivec)t & ~below) | ((ivec)splat(-126.0f) & below));
+    ivec i = __builtin_convertvector(t - 0.5f, ivec);        /* rounds t, which is <= 0 */
+    vec f = (t - __builtin_convertvector(i, vec)) * 0.69314718f;
+    vec p = 1.0f + f * (1.0f + f * (0.5f + f * (1.0f / 6 + f * (1.0f / 24 + f * (1.0f / 120 + f * (1.0f / 720))))));
+    ivec bits = (i + 127) << 23;
+    vec scale;
+    memcpy(&scale, &bits, sizeof scale);
+    return p * scale;
+}
+
+/* One request, one KV head: its query heads g0 .. g0 + G - 1 (of Gall per KV head) over its len keys.
+   G and DV are constants where the caller dispatches on them (always inlined), so q and acc stay in
+   registers. */
+static inline __attribute__((always_inline)) void
+attend_one(const char *q, int64_t sq_n, int64_t sq_h, const char *k, const char *v, const int32_t *table,
+           int64_t row, int len, int bs, int Hkv, int Gall, int g0, const int G, const int DV, int h, float scale, int bf16,
+           char *out, int64_t so_n, int64_t so_h) {
+    const int esize = bf16 ? 2 : 4;
+    vec qv[MAX_G][MAX_DV], acc[MAX_G][MAX_DV];
+    float m[MAX_G], l[MAX_G];
+    for (int g = 0; g < G; g++) {
+        for (int c = 0; c < DV; c++) {
+            qv[g][c] = load_vec(q + (row * sq_n + (int64_t)(h * Gall + g0 + g) * sq_h + c * 16) * esize, bf16) * scale;
+            acc[g][c] = splat(0.0f);
+        }
+        m[g] = -INFINITY;
+        l[g] = 0.0f;
+    }
+    const int64_t row_stride = (int64_t)Hkv * DV * 16;          /* numbers from one slot to the next */
+    for (int t0 = 0; t0 < len; t0 += TILE) {
+        int n = len - t0 < TILE ? len - t0 : TILE;
+        const char *kr[TILE], *vr[TILE];
+        for (int j = 0; j < n; j++) {                            /* the tile's rows, through the table */
+            int t = t0 + j;
+            int64_t at = ((int64_t)table[t / bs] * bs + t % bs) * row_stride + (int64_t)h * DV * 16;
+            kr[j] = k + at * esize;
+            vr[j] = v + at * esize;
+        }
+        for (int t = t0 + TILE; t < len && t < t0 + 2 * TILE; t++) {   /* ask for the next tile's rows now */
+            int64_t at = ((int64_t)table[t / bs] * bs + t % bs) * row_stride + (int64_t)h * DV * 16;
+            for (int c = 0; c < DV * 16 * esize; c += 64) {
+                __builtin_prefetch(k + at * esize + c);
+                __builtin_prefetch(v + at * esize + c);
+            }
+        }
+        vec s[MAX_G];                                            /* scores, lane j = key t0 + j */
+        for (int g = 0; g < G; g++) s[g] = splat(-INFINITY);
+        for (int j = 0; j < n; j++) {                            /* s = q . k, each key loaded once */
+            vec kj[MAX_DV];
+            for (int c = 0; c < DV; c++) kj[c] = load_vec(kr[j] + c * 16 * esize, bf16);
+            for (int g = 0; g < G; g++) {
+                vec d = qv[g][0] * kj[0];
+                for (int c = 1; c < DV; c++) d += qv[g][c] * kj[c];
+                s[g][j] = hsum(d);
+            }
+        }
+        vec p[MAX_G];
+        for (int g = 0; g < G; g++) {                            /* the online softmax, one tile */
+            float mx = m[g];
+            for (int j = 0; j < n; j++) mx = s[g][j] > mx ? s[g][j] : mx;
+            p[g] = exp_nonpositive(s[g] - mx);                   /* lanes past n: e^-inf = 0 */
+            float correction = exp_nonpositive(splat(m[g] - mx))[0];   /* 0 on the first tile (m = -inf) */
+            l[g] = l[g] * correction + hsum(p[g]);
+            m[g] = mx;
+            for (int c = 0; c < DV; c++) acc[g][c] *= correction;
+        }
+        for (int j = 0; j < n; j++) {                            /* acc += p . v, each value loaded once */
+            vec vj[MAX_DV];
+            for (int c = 0; c < DV; c++) vj[c] = load_vec(vr[j] + c * 16 * esize, bf16);
+            for (int g = 0; g < G; g++)
+                for (int c = 0; c < DV; c++) acc[g][c] += p[g][j] * vj[c];
+        }
+    }
+    for (int g = 0; g < G; g++) {
+        int64_t at = row * so_n + (int64_t)(h * Gall + g0 + g) * so_h;
+        float inv = l[g] > 0.0f ? 1.0f / l[g] : 0.0f;           /* no keys: zeros */
+        for (int c = 0; c < DV; c++) {
+            vec x = acc[g][c] * inv;
+            for (int i = 0; i < 16; i++) {
+                if (bf16) ((uint16_t *)out)[at + c * 16 + i] = float_to_bf16(x[i]);
+                else ((float *)out)[at + c * 16 + i] = x[i];
+            }
+        }
+    }
+}
+
+#define CASE(g, dv) \
+    if (G == g && DV == dv) { \
+        attend_one(q, sq_n, sq_h, k, v, tab, row, len, bs, Hkv, Gall, g0, g, dv, h, scale, bf16, out, so_n, so_h); \
+        continue; \
+    }
+
+/* The query heads of KV head h, at most MAX_G at a time (more share a KV head only in multi-query models). */
+static void attend_dispatch(const char *q, int64_t sq_n, int64_t sq_h, const char *k, const char *v,
+                            const int32_t *tab, int64_t row, int len, int bs, int Hkv, int Gall, int DV, int h,
+                            float scale, int bf16, char *out, int64_t so_n, int64_t so_h) {
+    for (int g0 = 0; g0 < Gall; g0 += MAX_G) {
+        int G = Gall - g0 < MAX_G ? Gall - g0 : MAX_G;
+        CASE(3, 4)     /* the course model: 9 query heads over 3 KV heads, head_dim 64 */
+        CASE(1, 4)
+        CASE(2, 4)
+        CASE(4, 4)
+        CASE(4, 8)     /* 128-dim heads */
+        CASE(8, 8)
+        attend_one(q, sq_n, sq_h, k, v, tab, row, len, bs, Hkv, Gall, g0, G, DV, h, scale, bf16, out, so_n, so_h);
+    }
+}
+
+/* Returns 0, or -1 when the shapes are past the kernel's limits (the caller checks first). */
+int paged_decode(const void *q, int64_t sq_n, int64_t sq_h, const void *k, const void *v,
+                 const int32_t *table, int W, const int64_t *rows, const int32_t *lens, int n,
+                 int bs, int H, int Hkv, int D, float scale, int bf16,
+                 void *out, int64_t so_n, int64_t so_h, int threads) {
+    int G = H / Hkv, DV = D / 16;
+    if (DV > MAX_DV || G * Hkv != H || DV * 16 != D) return -1;
+    #pragma omp parallel for collapse(2) schedule(dynamic, 1) num_threads(threads)
+    for (int i = 0; i < n; i++)
+        for (int h = 0; h < Hkv; h++)
+            attend_dispatch((const char *)q, sq_n, sq_h, (const char *)k, (const char *)v, table + (int64_t)i * W,
+                            rows[i], lens[i], bs, Hkv, G, DV, h, scale, bf16, (char *)out, so_n, so_h);
+    return 0;
+}

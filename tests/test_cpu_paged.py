@@ -1,0 +1,111 @@
+"""The CPU's paged decode kernel (`attention/cpu_paged.c`, built by `cpu_kernel.py`): pages read in place,
+checked against a float64 reference on ragged, shuffled-table batches; the "cpu" backend in the engine."""
+import pytest
+import torch
+from test_paged_torch import CASES, make_batch, reference, tiny_model
+
+from minillm.attention import cpu_kernel
+from minillm.attention.paged import check_backend
+from minillm.attention.paged_torch import paged_attention, plan_paged_attention
+from minillm.kv.quantized import QuantizedKV
+
+pytestmark = pytest.mark.skipif(not cpu_kernel.available(), reason="no C compiler builds the CPU kernel here")
+
+
+def in_place(case, pool, tables, block_size):
+    plan = plan_paged_attention([n for n, _ in case], [k for _, k in case], tables, block_size, "cpu", in_place=True)
+    assert not plan.groups and plan.num_pages == 0                          # nothing is gathered for decodes
+    return plan
+
+
+@pytest.mark.parametrize("case", CASES)
+@pytest.mark.parametrize("H, H_kv, D", [(9, 3, 64), (4, 4, 32), (8, 1, 16), (6, 2, 48), (40, 2, 16)])
+@pytest.mark.parametrize("block_size", [4, 16])
+def test_kernel_matches_reference(case, H, H_kv, D, block_size):
+    """Every head shape the kernel has a fast path for, one it has not (48 = 3 vectors), and 20 query
+    heads per KV head (more than its 16 at once: two passes)."""
+    pool, q, ks, vs, tables = make_batch(case, H, H_kv, D, block_size, torch.float32, seed=len(case) * H + D + 1)
+    out = paged_attention(q.float(), pool.k[0], pool.v[0], in_place(case, pool, tables, block_size))
+    err = (out.double() - reference(case, q, ks, vs)).abs().max().item()
+    assert err < 1e-5, f"worst mismatch {err:.2e}"
+
+
+@pytest.mark.parametrize("seed", range(4))
+def test_kernel_on_fresh_ragged_batches(seed):
+    """Random decode lengths 1..300 (across tile and page boundaries), random query strides as the
+    engine's (a transposed view), a pool shared and shuffled."""
+    g = torch.Generator().manual_seed(1000 + seed)
+    n = int(torch.randint(1, 20, (1,), generator=g))
+    case = [(1, int(k)) for k in torch.randint(1, 300, (n,), generator=g)]
+    pool, q, ks, vs, tables = make_batch(case, 9, 3, 64, 16, torch.float32, seed=seed)
+    qt = q.float().transpose(0, 1).contiguous().transpose(0, 1)             # (N, H, D), heads-major like the model's
+    out = paged_attention(qt, pool.k[0], pool.v[0], in_place(case, pool, tables, 16))
+    assert (out.double() - reference(case, q, ks, vs)).abs().max().item() < 1e-5
+
+
+@pytest.mark.parametrize("case", CASES[1:])
+def test_bfloat16_pages(case):
+    """bfloat16 pages widened to float32 in the kernel: within bfloat16's rounding of the output."""
+    pool, q, ks, vs, tables = make_batch(case, 9, 3, 64, 16, torch.bfloat16, seed=5)
+    qb = q.bfloat16()
+    ref = reference(case, qb.double(), [k.bfloat16().double() for k in ks], [v.bfloat16().double() for v in vs])
+    out = paged_attention(qb, pool.k[0], pool.v[0], in_place(case, pool, tables, 16))
+    assert out.dtype == torch.bfloat16
+    torch.testing.assert_close(out.double(), ref, rtol=1e-2, atol=1e-2)
+
+
+@pytest.mark.parametrize("case", CASES[1:])
+def test_tables_longer_than_the_keys(case):
+    pool, q, ks, vs, tables = make_batch(case, 4, 2, 16, 4, torch.float32, seed=3)
+    for i in range(len(case)):
+        pool.append_slots(i, 9)                                            # 2-3 more blocks, never read
+    tables = [pool.tables[i] for i in range(len(case))]
+    out = paged_attention(q.float(), pool.k[0], pool.v[0], in_place(case, pool, tables, 4))
+    assert (out.double() - reference(case, q, ks, vs)).abs().max().item() < 1e-5
+
+
+def test_which_caches_the_kernel_reads():
+    assert cpu_kernel.supports(torch.zeros(4, 16, 3, 64))
+    assert cpu_kernel.supports(torch.zeros(4, 16, 3, 64, dtype=torch.bfloat16))
+    assert not cpu_kernel.supports(torch.zeros(4, 16, 3, 64, dtype=torch.float16))
+    assert not cpu_kernel.supports(torch.zeros(4, 16, 3, 24))                   # head_dim not a multiple of 16
+    assert not cpu_kernel.supports(torch.zeros(4, 3, 16, 64).transpose(1, 2))   # not contiguous
+    assert not cpu_kernel.supports(QuantizedKV.zeros((4, 16, 3, 64), "int8", torch.float32, "cpu"))
+
+
+def test_backend_choice(monkeypatch):
+    assert check_backend("auto", on_gpu=False) == "cpu"
+    assert check_backend("torch", on_gpu=False) == "torch"
+    with pytest.raises(ValueError, match="'torch'"):
+        check_backend("cpu", on_gpu=True)
+    monkeypatch.setattr(cpu_kernel, "available", lambda: False)              # a machine with no compiler
+    assert check_backend("auto", on_gpu=False) == "torch"
+    with pytest.raises(ValueError, match="C compiler"):
+        check_backend("cpu", on_gpu=False)
+
+
+@pytest.mark.parametrize("kv_cache_dtype", [None, "int8"])
+def test_engine_gives_the_same_tokens_with_cpu_and_torch(tokenizer, kv_cache_dtype):
+    """Decodes, chunked prompts and mixed steps; an int8 cache, which the kernel does not read, goes
+    through the gather in both."""
+    from minillm.engine import LLMEngine
+    from minillm.generate import generate
+    from minillm.sampling import SamplingParams
+
+    model = tiny_model()
+    prompts = [[5, 9, 200, 17, 3], list(range(10, 40)), [250], list(range(100, 119))]
+    params = SamplingParams(max_tokens=8, ignore_eos=True)
+    results = {}
+    for backend in ("torch", "cpu"):
+        engine = LLMEngine(model, tokenizer, attention=backend, block_size=4, num_blocks=64, max_num_batched_tokens=12,
+                           kv_cache_dtype=kv_cache_dtype)
+        assert engine.runner.attention == backend
+        for i, p in enumerate(prompts):
+            engine.add_request(i, p, params)
+        finals = {}
+        while engine.has_unfinished_requests():
+            finals.update({o.request_id: o.token_ids for o in engine.step() if o.finished})
+        results[backend] = [finals[i] for i in range(len(prompts))]
+    assert results["cpu"] == results["torch"]
+    if kv_cache_dtype is None:
+        assert results["cpu"] == [generate(model, tokenizer, p, params, stage="naive").token_ids for p in prompts]
