@@ -4,16 +4,19 @@ First each lossy format's mean KL from float32 on the run's prompt and the held-
 (`minillm/course/quality.py`): a format past its bound gets no speed, only the reason. Then, for each format
 within its bound:
 - single-stream decode tokens/s (the kv stage, 64 greedy tokens after a short prompt), the formats taking
-  turns round by round;
+  turns round by round; float32 and bfloat16 also with torch's own kernel for every product, where this
+  machine chose the C loop of `minillm/matvec.py` for a decode's rows (`speed_vs_torch_matmul`);
 - the bytes a decode step must read (every weight once and the prompt's K/V), the tokens/s the machine's
   measured copy bandwidth allows at that (the floor), and the fraction of it achieved;
 - one decode step split four ways (`minillm/course/step_profile.py`): matrix products, attention, the rest of
   the operators (norms, RoPE, SiLU, dtype conversions, K/V writes), and Python between them; the number of
   operators Python calls per step.
-Then the engine (float32 weights, the torch attention backend): 64 requests with ~200-token prompts, once all
-are decoding, one decode-only step split the same four ways, its FLOPs against the measured matmul rate, and
-the engine's own share of it: the step's time outside the model's forward pass (scheduling, packing the
-batch, sampling, outputs).
+Then the engine (float32 weights): 64 requests with ~200-token prompts, once all are decoding, one decode-only
+step split the same four ways, its FLOPs against the measured matmul rate, and the engine's own share of it:
+the step's time outside the model's forward pass (scheduling, packing the batch, sampling, outputs). This is
+done for the cpu attention backend (the C kernel reads pages in place; `engine`) and the torch backend
+(pages gathered for SDPA; `engine.torch_split`), and the two engines also take turns step by step for a
+side-by-side step time (`engine.by_attention`).
 With `--peer-python PY` (a Python with llama-cpp-python), llama.cpp's single-stream decode on the same GGUF
 file takes its turn in every round (the script of `quantization.py`).
 
@@ -36,6 +39,8 @@ from minillm.course.bench import machine_info
 from minillm.course.quality import check_quality, heldout_ids, refusal
 from minillm.course.roofline import forward_flops, measure_copy_bandwidth, measure_matmul_flops
 from minillm.course.step_profile import bytes_per_token, step_split
+from minillm import matvec
+from minillm.attention import cpu_kernel
 from minillm.engine import LLMEngine
 from minillm.generate import generate
 from minillm.model import weight_bytes
@@ -72,11 +77,11 @@ def decode_split(model, ids: list[int], repeats: int) -> dict:
     return step_split(decode_step(model, ids), repeats=repeats)
 
 
-def decoding_engine(model, tok, n: int = 64, prompt_tokens: int = 200) -> LLMEngine:
-    """An engine (torch attention) with n requests of prompt_tokens from the held-out text, every prompt in:
-    its next steps are decode-only, n tokens each."""
+def decoding_engine(model, tok, n: int = 64, prompt_tokens: int = 200, attention: str = "auto") -> LLMEngine:
+    """An engine with n requests of prompt_tokens from the held-out text, every prompt in: its next steps are
+    decode-only, n tokens each. attention: the paged backend ("cpu": the C kernel, "torch": gather + SDPA)."""
     text = heldout_ids(tok)
-    engine = LLMEngine(model, tok, max_num_seqs=n, max_num_batched_tokens=512, attention="torch", verbose=False)
+    engine = LLMEngine(model, tok, max_num_seqs=n, max_num_batched_tokens=512, attention=attention, verbose=False)
     for i in range(n):
         start = (i * 37) % (len(text) - prompt_tokens)
         engine.add_request(str(i), text[start:start + prompt_tokens], SamplingParams(max_tokens=512, ignore_eos=True))
@@ -85,9 +90,9 @@ def decoding_engine(model, tok, n: int = 64, prompt_tokens: int = 200) -> LLMEng
     return engine
 
 
-def engine_split(model, tok, n: int = 64, prompt_tokens: int = 200, repeats: int = 10) -> dict:
+def engine_split(model, tok, n: int = 64, prompt_tokens: int = 200, repeats: int = 10, attention: str = "auto") -> dict:
     """A decode-only step of the engine with n requests, each ~prompt_tokens into its context."""
-    engine = decoding_engine(model, tok, n, prompt_tokens)
+    engine = decoding_engine(model, tok, n, prompt_tokens, attention)
     context = statistics.mean(r.num_computed_tokens for r in engine.scheduler.running)
     split = step_split(engine.step, repeats=repeats, warmup=2)
     forward, walls = [], []
@@ -108,9 +113,25 @@ def engine_split(model, tok, n: int = 64, prompt_tokens: int = 200, repeats: int
         del model.forward
     overhead = statistics.median(w - f for w, f in zip(walls, forward)) * 1e3
     flops = forward_flops(model.cfg, model.num_parameters(), n, int(context))
-    return split | {"requests": n, "mean_context": context, "step_flops": flops, "engine_overhead_ms": overhead,
+    return split | {"attention": engine.runner.attention, "requests": n, "mean_context": context, "step_flops": flops,
+                    "engine_overhead_ms": overhead,
                     "engine_overhead_fraction": overhead / (statistics.median(walls) * 1e3),
                     "decode_tokens_per_s": n / (split["wall_ms"] / 1e3)}
+
+
+def alternated_steps(model, tok, backends: list[str], rounds: int, n: int = 64, steps: int = 5) -> dict:
+    """The engine's decode-only step with each attention backend, the engines taking turns step by step
+    (`steps` per turn, `rounds` turns): median step ms, and each backend's speed against the first's."""
+    engines = {b: decoding_engine(model, tok, n, attention=b) for b in backends}
+    times = {b: [] for b in backends}
+    for _ in range(rounds + 1):                                  # the first turn warms up
+        for b, engine in engines.items():
+            for _ in range(steps):
+                t0 = time.perf_counter()
+                engine.step()
+                times[b].append(time.perf_counter() - t0)
+    ms = {b: statistics.median(t[steps:]) * 1e3 for b, t in times.items()}
+    return {b: {"step_ms": ms[b], "speed_vs_" + backends[-1]: ms[backends[-1]] / ms[b]} for b in backends}
 
 
 def main() -> None:
@@ -139,6 +160,10 @@ def main() -> None:
             print(refusal(q), file=sys.stderr)
     copy_bw, matmul_rate = measure_copy_bandwidth(), measure_matmul_flops()
     speeds = {name: [] for name in models}
+    # float32 and bfloat16 decode once more with torch's own kernel for every product (`minillm/matvec.py`
+    # sends a decode's few rows through its C loop where this machine measured that faster)
+    plain = [n for n in ("float32", "bfloat16") if n in models and (matvec.choice(models[n].dtype) or {}).get("use_c")]
+    speeds |= {n + ", torch matmul": [] for n in plain}
     params = SamplingParams(max_tokens=64, ignore_eos=True)
     peer = None
     if args.peer_python:
@@ -147,9 +172,12 @@ def main() -> None:
         speeds["llama.cpp"] = []
     for rnd in tqdm(range(args.rounds + 1), desc="rounds", file=sys.stderr):   # round 0 warms up
         for name, m in models.items():
-            tps = generate(m, tok, ids, params if rnd else SamplingParams(max_tokens=4), stage="kv").decode_tokens_per_s
-            if rnd:
-                speeds[name].append(tps)
+            for mode in ("auto", "torch") if name in plain else ("auto",):
+                with matvec.using(mode):
+                    p = params if rnd else SamplingParams(max_tokens=4)
+                    tps = generate(m, tok, ids, p, stage="kv").decode_tokens_per_s
+                if rnd:
+                    speeds[name + (", torch matmul" if mode == "torch" else "")].append(tps)
         if peer:
             peer.stdin.write("go\n")
             peer.stdin.flush()
@@ -166,10 +194,19 @@ def main() -> None:
                         "weight_bytes": weight_bytes(m), "bytes_per_token": nbytes,
                         "floor_tokens_per_s": floor, "fraction_of_floor": tps / floor,
                         "kl": gate[name]["kl"] if gate[name] else 0.0, "step": split})
+        if name in plain:
+            torch_tps = statistics.median(speeds[name + ", torch matmul"])
+            results[-1] |= {"torch_matmul_tokens_per_s": torch_tps, "torch_matmul_runs": speeds[name + ", torch matmul"],
+                            "speed_vs_torch_matmul": tps / torch_tps}
     llama = {"decode_tokens_per_s": statistics.median(speeds["llama.cpp"]), "runs": speeds["llama.cpp"]} if peer else None
-    engine = engine_split(base, tok)
-    engine["fraction_of_matmul_rate"] = engine["step_flops"] / (engine["wall_ms"] / 1e3) / matmul_rate
+    backends = ["cpu", "torch"] if cpu_kernel.available() else ["torch"]
+    engines = {b: engine_split(base, tok, attention=b) for b in backends}
+    for e in engines.values():
+        e["fraction_of_matmul_rate"] = e["step_flops"] / (e["wall_ms"] / 1e3) / matmul_rate
+    engine = engines[backends[0]] | {"by_attention": alternated_steps(base, tok, backends, args.rounds)}
+    engine["torch_split"] = engines["torch"] if "cpu" in engines else None
     print(json.dumps({"machine": machine_info(), "copy_bytes_per_s": copy_bw, "matmul_flops_per_s": matmul_rate,
+                      "matvec_choice": {str(d).removeprefix("torch."): matvec.choice(d) for d in matvec.DTYPES},
                       "prompt_tokens": len(ids), "rounds": args.rounds,
                       "refused": {k: refusal(q) for k, q in gate.items() if q and not q["within_bound"]},
                       "formats": results, "llama.cpp": llama, "engine": engine}, indent=1))

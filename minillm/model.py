@@ -26,6 +26,7 @@ from torch import nn
 
 from .attention import naive_attention
 from .config import ModelConfig
+from .matvec import linear
 
 
 class RMSNorm(nn.Module):
@@ -68,12 +69,20 @@ def apply_rope(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.T
     return out if out.dtype == x.dtype else out.to(x.dtype)
 
 
+class Linear(nn.Linear):
+    """nn.Linear (no bias) whose few-row products on a CPU may stream through a C loop (`matvec.py`): a
+    decode step's, where this machine measured that loop faster than torch's kernel. The same product."""
+
+    def forward(self, x):
+        return linear(x, self.weight) if self.bias is None else super().forward(x)
+
+
 class Attention(nn.Module):
     def __init__(self, cfg: ModelConfig):
         super().__init__()
         self.n_heads, self.n_kv, self.hd = cfg.n_heads, cfg.n_kv_heads, cfg.head_dim
-        self.wqkv = nn.Linear(cfg.d_model, (cfg.n_heads + 2 * cfg.n_kv_heads) * cfg.head_dim, bias=False)
-        self.wo = nn.Linear(cfg.n_heads * cfg.head_dim, cfg.d_model, bias=False)
+        self.wqkv = Linear(cfg.d_model, (cfg.n_heads + 2 * cfg.n_kv_heads) * cfg.head_dim, bias=False)
+        self.wo = Linear(cfg.n_heads * cfg.head_dim, cfg.d_model, bias=False)
 
     def qkv(self, x, cos, sin):
         """x (B, T, d) -> q (B, H, T, hd), k and v (B, n_kv, T, hd): one product, RoPE on q and k."""
@@ -94,8 +103,8 @@ class MLP(nn.Module):
 
     def __init__(self, cfg: ModelConfig):
         super().__init__()
-        self.w_gate_up = nn.Linear(cfg.d_model, 2 * cfg.ffn_dim, bias=False)
-        self.w_down = nn.Linear(cfg.ffn_dim, cfg.d_model, bias=False)
+        self.w_gate_up = Linear(cfg.d_model, 2 * cfg.ffn_dim, bias=False)
+        self.w_down = Linear(cfg.ffn_dim, cfg.d_model, bias=False)
 
     def forward(self, x):
         gate, up = self.w_gate_up(x).chunk(2, dim=-1)  # (B, T, ffn) each
@@ -147,7 +156,7 @@ class Transformer(nn.Module):
         self.layers = nn.ModuleList(Block(cfg) for _ in range(cfg.n_layers))
         self.norm = RMSNorm(cfg.d_model, cfg.rms_eps)
         if not cfg.tie_embeddings:
-            self.lm_head = nn.Linear(cfg.d_model, cfg.vocab_size, bias=False)
+            self.lm_head = Linear(cfg.d_model, cfg.vocab_size, bias=False)
 
     @property
     def device(self) -> torch.device:
@@ -188,7 +197,7 @@ class Transformer(nn.Module):
         x = self.norm(x)
         if "lm_head" in self._modules:   # untied, or a quantized head (`quant/`)
             return self.lm_head(x).float()                                        # (B, T, vocab)
-        return F.linear(x, self.tok_emb.weight).float()
+        return linear(x, self.tok_emb.weight).float()                             # the tied head
 
     def num_parameters(self) -> int:
         return sum(p.numel() for p in self.parameters())

@@ -81,7 +81,7 @@ def test_without_triton_the_engine_refuses_only_the_triton_backend(monkeypatch):
     monkeypatch.setattr(triton_support, "HAS_TRITON", False)
     cfg = ModelConfig(n_layers=1, d_model=8, n_heads=2, n_kv_heads=1, head_dim=4, ffn_dim=8, vocab_size=16)
     kv = KVCacheManager(BlockPool(cfg, num_blocks=4, block_size=4))
-    assert ModelRunner(None, kv, attention="auto").attention == "torch"
+    assert ModelRunner(None, kv, attention="auto").attention in ("cpu", "torch")    # cpu where a C compiler works
     with pytest.raises(triton_support.TritonUnavailable, match="Linux only"):
         ModelRunner(None, kv, attention="triton")
 

@@ -1,0 +1,118 @@
+"""A decode step's matrix products on a CPU: `linear(x, w)`, F.linear that streams each weight once for a
+few rows (`matvec.c`, built on this machine by `native.py`).
+
+A single-stream decode step multiplies one row by every weight matrix: each weight is used once, so the
+product is as fast as the weights stream from memory (notebook 04). How fast torch's own kernel streams
+them for one row depends on the CPU and the library behind it (on some CPUs a third of the copy bandwidth);
+the C loop reads each weight row once from start to end. Which of the two a process uses is chosen by
+measurement, once per dtype, the first time it is asked: both multiply one row by 80 MB of weights shaped
+like the course model's, taking turns, and the C loop is used only if it is faster by more than 5%
+(`choice()` says what was measured). Everything else (more than MAX_ROWS rows, other dtypes, another device,
+autograd, torch.compile) goes to F.linear.
+
+    with matvec.using("torch"): ...     force one side ("c", "torch", or "auto"), to compare them
+"""
+from __future__ import annotations
+
+import ctypes
+import statistics
+import time
+from contextlib import contextmanager
+from functools import lru_cache
+from pathlib import Path
+
+import torch
+import torch.nn.functional as F
+
+from . import native
+
+SOURCE = Path(__file__).with_name("matvec.c")
+MAX_ROWS = 4                                   # a decode step, a few speculative rows; the C file takes up to 8
+DTYPES = (torch.float32, torch.bfloat16)
+PROFILER_NAME = "minillm::matvec"
+_mode = "auto"
+_choice: dict[torch.dtype, dict] = {}
+
+
+@lru_cache(maxsize=1)
+def load_library():
+    built = native.load(SOURCE)
+    if built:
+        f = built[0].matvec
+        ptr, i32 = ctypes.c_void_p, ctypes.c_int
+        f.argtypes = [ptr, ptr, ptr, i32, ctypes.c_int64, i32, i32, i32]
+        f.restype = i32
+    return built
+
+
+def matvec(x2: torch.Tensor, w: torch.Tensor) -> torch.Tensor:
+    """x2 (rows, in) contiguous, rows <= 8; w (out, in) contiguous, in % 16 == 0; same dtype -> (rows, out)."""
+    y = torch.empty(x2.shape[0], w.shape[0], dtype=w.dtype)
+    args = (x2.data_ptr(), w.data_ptr(), y.data_ptr(), x2.shape[0], w.shape[0], w.shape[1],
+            int(w.dtype == torch.bfloat16), torch.get_num_threads())
+    if torch.autograd.profiler._is_profiler_enabled:              # seen by torch.profiler as one operator
+        with torch.profiler.record_function(PROFILER_NAME):
+            rc = load_library()[0].matvec(*args)
+    else:
+        rc = load_library()[0].matvec(*args)
+    assert rc == 0, "matvec: shapes past the C loop's limits"
+    return y
+
+
+def _measure(dtype: torch.dtype, rounds: int = 5) -> dict:
+    """One row times 80 MB of weights (float32; 40 MB in bfloat16) shaped like the course model's layers,
+    torch and the C loop taking turns: the median time of each, in ms."""
+    shapes = [(960, 576), (576, 576), (3072, 576), (576, 1536)] * 6
+    ws = [torch.full(s, 0.01, dtype=dtype) for s in shapes]
+    xs = {k: torch.full((1, k), 0.5, dtype=dtype) for k in (576, 1536)}
+    fns = {"torch": lambda: [F.linear(xs[w.shape[1]], w) for w in ws],
+           "c": lambda: [matvec(xs[w.shape[1]], w) for w in ws]}
+    times = {k: [] for k in fns}
+    for _ in range(rounds + 1):                                  # the first round warms up
+        for k, fn in fns.items():
+            t0 = time.perf_counter()
+            fn()
+            times[k].append(time.perf_counter() - t0)
+    nbytes = sum(w.numel() * w.element_size() for w in ws)
+    ms = {k: statistics.median(v[1:]) * 1e3 for k, v in times.items()}
+    return {"torch_ms": ms["torch"], "c_ms": ms["c"], "bytes": nbytes, "use_c": ms["c"] < 0.95 * ms["torch"]}
+
+
+def choice(dtype: torch.dtype = torch.float32) -> dict | None:
+    """What this process measured for dtype ({torch_ms, c_ms, bytes, use_c}), measuring now if it has
+    not; None where the C loop does not build or does not take dtype."""
+    if dtype not in DTYPES or load_library() is None:
+        return None
+    if dtype not in _choice:
+        with torch.inference_mode():
+            _choice[dtype] = _measure(dtype)
+    return _choice[dtype]
+
+
+@contextmanager
+def using(mode: str):
+    """"c", "torch" or "auto" (the measured choice) inside the block."""
+    global _mode
+    if mode not in ("auto", "c", "torch"):
+        raise ValueError(f"matvec mode must be 'auto', 'c' or 'torch'; got {mode!r}")
+    old, _mode = _mode, mode
+    try:
+        yield
+    finally:
+        _mode = old
+
+
+def _use_c(dtype: torch.dtype) -> bool:
+    if _mode == "torch" or dtype not in DTYPES or load_library() is None:
+        return False
+    return _mode == "c" or choice(dtype)["use_c"]
+
+
+def linear(x: torch.Tensor, w: torch.Tensor) -> torch.Tensor:
+    """F.linear(x, w) (no bias): x (..., in), w (out, in) -> (..., out)."""
+    rows = x.numel() // x.shape[-1] if x.shape[-1] else 0
+    if (0 < rows <= MAX_ROWS and x.device.type == "cpu" and x.dtype == w.dtype and w.shape[1] % 16 == 0
+            and w.is_contiguous() and not torch.compiler.is_compiling()
+            and not (torch.is_grad_enabled() and w.requires_grad) and _use_c(w.dtype)):
+        return matvec(x.reshape(rows, -1).contiguous(), w).view(*x.shape[:-1], w.shape[0])
+    return F.linear(x, w)
