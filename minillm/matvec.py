@@ -5,10 +5,10 @@ A single-stream decode step multiplies one row by every weight matrix: each weig
 product is as fast as the weights stream from memory (notebook 04). How fast torch's own kernel streams
 them for one row depends on the CPU and the library behind it (on some CPUs a third of the copy bandwidth);
 the C loop reads each weight row once from start to end. Which of the two a process uses is chosen by
-measurement, once per dtype, the first time it is asked: both multiply one row by 80 MB of weights shaped
-like the course model's, taking turns, and the C loop is used only if it is faster by more than 5%
-(`choice()` says what was measured). Everything else (more than MAX_ROWS rows, other dtypes, another device,
-autograd, torch.compile) goes to F.linear.
+measurement, once per dtype, the first time it is asked: both multiply one row, then eight, by 80 MB of
+weights shaped like the course model's, taking turns, and the C loop is used only where it is faster by more
+than 5%: up to 8 rows if it wins at 8, else up to 4 if it wins at 1 (`choice()` says what was measured).
+Everything else (more rows, other dtypes, another device, autograd, torch.compile) goes to F.linear.
 
     with matvec.using("torch"): ...     force one side ("c", "torch", or "auto"), to compare them
 """
@@ -27,7 +27,7 @@ import torch.nn.functional as F
 from . import native
 
 SOURCE = Path(__file__).with_name("matvec.c")
-MAX_ROWS = 4                                   # a decode step, a few speculative rows; the C file takes up to 8
+MAX_ROWS = 8                                   # the C file's MAX_M: a few decodes, or one with its drafts
 DTYPES = (torch.float32, torch.bfloat16)
 PROFILER_NAME = "minillm::matvec"
 _mode = "auto"
@@ -60,27 +60,30 @@ def matvec(x2: torch.Tensor, w: torch.Tensor) -> torch.Tensor:
 
 
 def _measure(dtype: torch.dtype, rounds: int = 5) -> dict:
-    """One row times 80 MB of weights (float32; 40 MB in bfloat16) shaped like the course model's layers,
-    torch and the C loop taking turns: the median time of each, in ms."""
+    """One row and eight rows times 80 MB of weights (float32; 40 MB in bfloat16) shaped like the course
+    model's layers, torch and the C loop taking turns: the median time of each in ms, and what to use."""
     shapes = [(960, 576), (576, 576), (3072, 576), (576, 1536)] * 6
     ws = [torch.full(s, 0.01, dtype=dtype) for s in shapes]
-    xs = {k: torch.full((1, k), 0.5, dtype=dtype) for k in (576, 1536)}
-    fns = {"torch": lambda: [F.linear(xs[w.shape[1]], w) for w in ws],
-           "c": lambda: [matvec(xs[w.shape[1]], w) for w in ws]}
-    times = {k: [] for k in fns}
-    for _ in range(rounds + 1):                                  # the first round warms up
-        for k, fn in fns.items():
-            t0 = time.perf_counter()
-            fn()
-            times[k].append(time.perf_counter() - t0)
-    nbytes = sum(w.numel() * w.element_size() for w in ws)
-    ms = {k: statistics.median(v[1:]) * 1e3 for k, v in times.items()}
-    return {"torch_ms": ms["torch"], "c_ms": ms["c"], "bytes": nbytes, "use_c": ms["c"] < 0.95 * ms["torch"]}
+    ms = {}
+    for rows in (1, 8):
+        xs = {k: torch.full((rows, k), 0.5, dtype=dtype) for k in (576, 1536)}
+        fns = {"torch": lambda: [F.linear(xs[w.shape[1]], w) for w in ws],
+               "c": lambda: [matvec(xs[w.shape[1]], w) for w in ws]}
+        times = {k: [] for k in fns}
+        for _ in range(rounds + 1):                              # the first round warms up
+            for k, fn in fns.items():
+                t0 = time.perf_counter()
+                fn()
+                times[k].append(time.perf_counter() - t0)
+        ms |= {f"{k}_ms_{rows}": statistics.median(v[1:]) * 1e3 for k, v in times.items()}
+    wins = {rows: ms[f"c_ms_{rows}"] < 0.95 * ms[f"torch_ms_{rows}"] for rows in (1, 8)}
+    max_rows = 8 if wins[8] and wins[1] else 4 if wins[1] else 0
+    return ms | {"bytes": sum(w.numel() * w.element_size() for w in ws), "use_c": wins[1], "max_rows": max_rows}
 
 
 def choice(dtype: torch.dtype = torch.float32) -> dict | None:
-    """What this process measured for dtype ({torch_ms, c_ms, bytes, use_c}), measuring now if it has
-    not; None where the C loop does not build or does not take dtype."""
+    """What this process measured for dtype ({torch_ms_1, c_ms_1, torch_ms_8, c_ms_8, bytes, use_c,
+    max_rows}), measuring now if it has not; None where the C loop does not build or does not take dtype."""
     if dtype not in DTYPES or load_library() is None:
         return None
     if dtype not in _choice:
@@ -102,10 +105,10 @@ def using(mode: str):
         _mode = old
 
 
-def _use_c(dtype: torch.dtype) -> bool:
+def _use_c(dtype: torch.dtype, rows: int) -> bool:
     if _mode == "torch" or dtype not in DTYPES or load_library() is None:
         return False
-    return _mode == "c" or choice(dtype)["use_c"]
+    return _mode == "c" or rows <= choice(dtype)["max_rows"]
 
 
 def linear(x: torch.Tensor, w: torch.Tensor) -> torch.Tensor:
@@ -113,6 +116,6 @@ def linear(x: torch.Tensor, w: torch.Tensor) -> torch.Tensor:
     rows = x.numel() // x.shape[-1] if x.shape[-1] else 0
     if (0 < rows <= MAX_ROWS and x.device.type == "cpu" and x.dtype == w.dtype and w.shape[1] % 16 == 0
             and w.is_contiguous() and not torch.compiler.is_compiling()
-            and not (torch.is_grad_enabled() and w.requires_grad) and _use_c(w.dtype)):
+            and not (torch.is_grad_enabled() and w.requires_grad) and _use_c(w.dtype, rows)):
         return matvec(x.reshape(rows, -1).contiguous(), w).view(*x.shape[:-1], w.shape[0])
     return F.linear(x, w)

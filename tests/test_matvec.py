@@ -41,7 +41,7 @@ def test_linear_sends_only_what_the_loop_takes():
         x = torch.randn(2, 1, 576, generator=g)                          # (B, T, in): leading dims kept
         assert matvec.linear(x, w).shape == (2, 1, 64)
         torch.testing.assert_close(matvec.linear(x, w), F.linear(x, w), rtol=1e-5, atol=1e-5)
-        for x in (torch.randn(9, 576, generator=g),                      # more rows than MAX_ROWS
+        for x in (torch.randn(9, 576, generator=g),                      # more rows than MAX_ROWS (8)
                   torch.randn(1, 50, generator=g)):                      # in_features not a multiple of 16
             wx = torch.randn(64, x.shape[1], generator=g)
             assert torch.equal(matvec.linear(x, wx), F.linear(x, wx))    # torch's kernel, bit for bit
@@ -61,7 +61,8 @@ def test_choice_and_modes():
     assert matvec.choice(torch.float16) is None                          # not a dtype the loop takes
     c = matvec.choice(torch.float32)
     if matvec.load_library() is not None:
-        assert set(c) == {"torch_ms", "c_ms", "bytes", "use_c"} and c["c_ms"] > 0
+        assert set(c) == {"torch_ms_1", "c_ms_1", "torch_ms_8", "c_ms_8", "bytes", "use_c", "max_rows"}
+        assert c["c_ms_1"] > 0 and c["max_rows"] in (0, 4, 8) and c["use_c"] == (c["max_rows"] > 0)
 
 
 @needs_c
