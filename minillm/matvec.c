@@ -7,48 +7,12 @@
    end, and multiplies it with every row of x while it is in cache. Four weight rows go together, so each
    piece of x loaded serves four of them.
 
-   `vec` is 16 floats handled as one value (GCC and Clang vector extensions), compiled to this CPU's vector
-   instructions (-march=native). W is float32 or bfloat16 (widened to float32 as it is read); x and y have
+   `vec` (vec16.h) is 16 floats handled as one value, compiled to this CPU's vector instructions. W is float32 or bfloat16 (widened to float32 as it is read); x and y have
    W's dtype; sums are float32. K must be a multiple of 16. Built at first use by `native.py`. */
-#include <stdint.h>
-#include <string.h>
-
-typedef float vec __attribute__((vector_size(64)));
+#include "vec16.h"
 
 #define ROWS 4       /* weight rows per step of the inner loop */
 #define MAX_M 8      /* rows of x per call */
-
-static inline vec load_vec(const char *p, int bf16) {         /* 16 numbers; bfloat16 widened */
-    vec x;
-    if (!bf16) {
-        memcpy(&x, p, sizeof x);
-        return x;
-    }
-    uint16_t h[16];
-    int32_t w[16];
-    memcpy(h, p, sizeof h);
-    for (int i = 0; i < 16; i++) w[i] = (int32_t)h[i] << 16;
-    memcpy(&x, w, sizeof x);
-    return x;
-}
-
-static inline float hsum(vec x) {
-    float s = 0.0f;
-    for (int i = 0; i < 16; i++) s += x[i];
-    return s;
-}
-
-static inline void store(char *y, int64_t i, float v, int bf16) {
-    if (!bf16) {
-        ((float *)y)[i] = v;
-        return;
-    }
-    uint32_t u;                                                /* round to nearest, ties to even */
-    memcpy(&u, &v, 4);
-    if ((u & 0x7fffffffu) > 0x7f800000u) u |= 0x00400000u;     /* NaN stays NaN */
-    else u += 0x7fffu + ((u >> 16) & 1u);
-    ((uint16_t *)y)[i] = (uint16_t)(u >> 16);
-}
 
 /* rows [r0, r0 + n) of W against the m rows of x (K = KV * 16). */
 static inline __attribute__((always_inline)) void
@@ -70,7 +34,7 @@ block(const char *x, const char *w, char *y, int m, int64_t N, int KV, int64_t r
         }
     }
     for (int i = 0; i < m; i++)
-        for (int r = 0; r < n; r++) store(y, (int64_t)i * N + r0 + r, hsum(acc[i][r]), bf16);
+        for (int r = 0; r < n; r++) store_float(y, (int64_t)i * N + r0 + r, hsum(acc[i][r]), bf16);
 }
 
 /* Returns 0, or -1 when the shapes are past its limits (the caller checks first). */

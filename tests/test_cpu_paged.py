@@ -2,7 +2,7 @@
 checked against a float64 reference on ragged, shuffled-table batches; the "cpu" backend in the engine."""
 import pytest
 import torch
-from test_paged_torch import CASES, make_batch, reference, tiny_model
+from test_paged_torch import CASES, PROMPTS, engine_tokens, make_batch, reference, tiny_model
 
 from minillm.attention import cpu_kernel
 from minillm.attention.paged import check_backend
@@ -54,16 +54,6 @@ def test_bfloat16_pages(case):
     torch.testing.assert_close(out.double(), ref, rtol=1e-2, atol=1e-2)
 
 
-@pytest.mark.parametrize("case", CASES[1:])
-def test_tables_longer_than_the_keys(case):
-    pool, q, ks, vs, tables = make_batch(case, 4, 2, 16, 4, torch.float32, seed=3)
-    for i in range(len(case)):
-        pool.append_slots(i, 9)                                            # 2-3 more blocks, never read
-    tables = [pool.tables[i] for i in range(len(case))]
-    out = paged_attention(q.float(), pool.k[0], pool.v[0], in_place(case, pool, tables, 4))
-    assert (out.double() - reference(case, q, ks, vs)).abs().max().item() < 1e-5
-
-
 def test_which_caches_the_kernel_reads():
     assert cpu_kernel.supports(torch.zeros(4, 16, 3, 64))
     assert cpu_kernel.supports(torch.zeros(4, 16, 3, 64, dtype=torch.bfloat16))
@@ -88,24 +78,13 @@ def test_backend_choice(monkeypatch):
 def test_engine_gives_the_same_tokens_with_cpu_and_torch(tokenizer, kv_cache_dtype):
     """Decodes, chunked prompts and mixed steps; an int8 cache, which the kernel does not read, goes
     through the gather in both."""
-    from minillm.engine import LLMEngine
     from minillm.generate import generate
     from minillm.sampling import SamplingParams
 
     model = tiny_model()
-    prompts = [[5, 9, 200, 17, 3], list(range(10, 40)), [250], list(range(100, 119))]
     params = SamplingParams(max_tokens=8, ignore_eos=True)
-    results = {}
-    for backend in ("torch", "cpu"):
-        engine = LLMEngine(model, tokenizer, attention=backend, block_size=4, num_blocks=64, max_num_batched_tokens=12,
-                           kv_cache_dtype=kv_cache_dtype)
-        assert engine.runner.attention == backend
-        for i, p in enumerate(prompts):
-            engine.add_request(i, p, params)
-        finals = {}
-        while engine.has_unfinished_requests():
-            finals.update({o.request_id: o.token_ids for o in engine.step() if o.finished})
-        results[backend] = [finals[i] for i in range(len(prompts))]
+    results = {backend: engine_tokens(model, tokenizer, backend, params, kv_cache_dtype=kv_cache_dtype)
+               for backend in ("torch", "cpu")}
     assert results["cpu"] == results["torch"]
     if kv_cache_dtype is None:
-        assert results["cpu"] == [generate(model, tokenizer, p, params, stage="naive").token_ids for p in prompts]
+        assert results["cpu"] == [generate(model, tokenizer, p, params, stage="naive").token_ids for p in PROMPTS]

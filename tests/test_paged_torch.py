@@ -5,7 +5,7 @@ import pytest
 import torch
 from helpers import pool_io
 
-from minillm.attention import naive_attention
+from minillm.attention import cpu_kernel, naive_attention
 from minillm.attention.paged_torch import paged_attention, plan_paged_attention, workspace_for
 from minillm.config import ModelConfig
 from minillm.kv import BlockPool
@@ -68,14 +68,17 @@ def test_torch_backend_matches_reference(case, H, H_kv, D, block_size):
     torch.testing.assert_close(paged_attention(q.float(), pool.k[0], pool.v[0], plan), out)
 
 
+@pytest.mark.parametrize("in_place", [False, True], ids=["gathered", "C kernel"])
 @pytest.mark.parametrize("case", CASES[1:])
-def test_tables_longer_than_the_keys(case):
+def test_tables_longer_than_the_keys(case, in_place):
     """A request may hold blocks past its keys (room reserved for speculative tokens): they are ignored."""
+    if in_place and not cpu_kernel.available():
+        pytest.skip("no C compiler builds the CPU kernel here")
     pool, q, ks, vs, tables = make_batch(case, 4, 2, 16, 4, torch.float32, seed=3)
     for i in range(len(case)):
         pool.append_slots(i, 9)                                            # 2-3 more blocks, never read
     tables = [pool.tables[i] for i in range(len(case))]
-    plan = plan_paged_attention([n for n, _ in case], [k for _, k in case], tables, 4, "cpu")
+    plan = plan_paged_attention([n for n, _ in case], [k for _, k in case], tables, 4, "cpu", in_place)
     out = paged_attention(q.float(), pool.k[0], pool.v[0], plan)
     assert (out.double() - reference(case, q, ks, vs)).abs().max().item() < 1e-5
 
@@ -116,24 +119,32 @@ def tiny_model(seed=0, vocab_size=300):
     return build_model(cfg, state)
 
 
+PROMPTS = [[5, 9, 200, 17, 3], list(range(10, 40)), [250], list(range(100, 119))]   # chunked at a budget of 12
+
+
+def engine_tokens(model, tokenizer, attention: str, params, **options) -> list[list[int]]:
+    """PROMPTS through the engine (blocks of 4, a budget of 12 tokens: chunks, decodes and mixed steps)."""
+    from minillm.engine import LLMEngine
+
+    engine = LLMEngine(model, tokenizer, attention=attention, block_size=4, num_blocks=64, max_num_batched_tokens=12,
+                       **options)
+    assert engine.runner.attention == attention
+    for i, p in enumerate(PROMPTS):
+        engine.add_request(i, p, params)
+    finals = {}
+    while engine.has_unfinished_requests():
+        finals.update({o.request_id: o.token_ids for o in engine.step() if o.finished})
+    return [finals[i] for i in range(len(PROMPTS))]
+
+
 @pytest.mark.triton
 def test_engine_gives_the_same_tokens_with_either_backend(tokenizer):
-    from minillm.engine import LLMEngine
     from minillm.generate import generate
     from minillm.sampling import SamplingParams
 
     model = tiny_model()
-    prompts = [[5, 9, 200, 17, 3], list(range(10, 40)), [250], list(range(100, 119))]
     params = SamplingParams(max_tokens=6, ignore_eos=True)
-    results = {}
-    for backend in ("torch", "triton"):
-        engine = LLMEngine(model, tokenizer, attention=backend, block_size=4, num_blocks=64, max_num_batched_tokens=12)
-        for i, p in enumerate(prompts):
-            engine.add_request(i, p, params)
-        finals = {}
-        while engine.has_unfinished_requests():
-            finals.update({o.request_id: o.token_ids for o in engine.step() if o.finished})
-        results[backend] = [finals[i] for i in range(len(prompts))]
-    naive = [generate(model, tokenizer, p, params, stage="naive").token_ids for p in prompts]
+    results = {backend: engine_tokens(model, tokenizer, backend, params) for backend in ("torch", "triton")}
+    naive = [generate(model, tokenizer, p, params, stage="naive").token_ids for p in PROMPTS]
     assert results["torch"] == naive
     assert results["triton"] == naive

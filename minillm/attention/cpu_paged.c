@@ -13,50 +13,14 @@
        table  (n, W) int32: request i's pages;  rows (n,) int64: its query row;  lens (n,) int32: its keys
        out    rows at out + row * so_n + head * so_h
 
-   `vec` is 16 floats handled as one value (GCC and Clang vector extensions): one AVX-512 register, two
-   AVX2 registers, four NEON registers; the compiler picks the instructions for this CPU (-march=native).
-   Built at first use by `cpu_kernel.py`; the engine falls back to gather + SDPA where there is no compiler. */
+   `vec` (vec16.h) is 16 floats handled as one value, compiled to this CPU's vector instructions. Built at first use by `cpu_kernel.py`; the engine falls back to gather + SDPA where there is no compiler. */
 #include <math.h>
-#include <stdint.h>
-#include <string.h>
+
+#include "../vec16.h"
 
 #define TILE 16      /* keys per online-softmax update: one vec of scores per query head */
 #define MAX_G 16
 #define MAX_DV 16    /* head_dim up to 16 vecs (256) */
-
-typedef float vec __attribute__((vector_size(64)));
-typedef int32_t ivec __attribute__((vector_size(64)));
-
-static inline vec splat(float x) { return (vec){0} + x; }
-
-static inline float hsum(vec x) {
-    float s = 0.0f;
-    for (int i = 0; i < 16; i++) s += x[i];
-    return s;
-}
-
-static inline vec load_vec(const void *p, int bf16) {        /* 16 numbers; bfloat16 widened to float32 */
-    if (!bf16) {
-        vec x;
-        memcpy(&x, p, sizeof x);
-        return x;
-    }
-    uint16_t h[16];
-    int32_t w[16];
-    memcpy(h, p, sizeof h);
-    for (int i = 0; i < 16; i++) w[i] = (int32_t)h[i] << 16;
-    vec x;
-    memcpy(&x, w, sizeof x);
-    return x;
-}
-
-static inline uint16_t float_to_bf16(float f) {          /* round to nearest, ties to even (as torch) */
-    uint32_t u;
-    memcpy(&u, &f, 4);
-    if ((u & 0x7fffffffu) > 0x7f800000u) return (uint16_t)((u >> 16) | 0x40);   /* NaN stays NaN */
-    u += 0x7fffu + ((u >> 16) & 1u);
-    return (uint16_t)(u >> 16);
-}
 
 /* e^x for x <= 0 (scores minus the running max), 16 at a time: 2^(x log2 e) split into 2^i (written into
    the exponent bits) and e^f, |f| <= ln2 / 2, by its Taylor series to f^6 (relative error about 1e-7). */
@@ -141,10 +105,7 @@ attend_one(const char *q, int64_t sq_n, int64_t sq_h, const char *k, const char 
         float inv = l[g] > 0.0f ? 1.0f / l[g] : 0.0f;           /* no keys: zeros */
         for (int c = 0; c < DV; c++) {
             vec x = acc[g][c] * inv;
-            for (int i = 0; i < 16; i++) {
-                if (bf16) ((uint16_t *)out)[at + c * 16 + i] = float_to_bf16(x[i]);
-                else ((float *)out)[at + c * 16 + i] = x[i];
-            }
+            for (int i = 0; i < 16; i++) store_float(out, at + c * 16 + i, x[i], bf16);
         }
     }
 }
