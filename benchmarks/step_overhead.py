@@ -90,9 +90,9 @@ def decoding_engine(model, tok, n: int = 64, prompt_tokens: int = 200, attention
     return engine
 
 
-def engine_split(model, tok, n: int = 64, prompt_tokens: int = 200, repeats: int = 10, attention: str = "auto") -> dict:
-    """A decode-only step of the engine with n requests, each ~prompt_tokens into its context."""
-    engine = decoding_engine(model, tok, n, prompt_tokens, attention)
+def engine_split(model, engine: LLMEngine, repeats: int = 10) -> dict:
+    """A decode-only step of a `decoding_engine`, split four ways, and its share outside the model."""
+    n = len(engine.scheduler.running)
     context = statistics.mean(r.num_computed_tokens for r in engine.scheduler.running)
     split = step_split(engine.step, repeats=repeats, warmup=2)
     forward, walls = [], []
@@ -119,10 +119,10 @@ def engine_split(model, tok, n: int = 64, prompt_tokens: int = 200, repeats: int
                     "decode_tokens_per_s": n / (split["wall_ms"] / 1e3)}
 
 
-def alternated_steps(model, tok, backends: list[str], rounds: int, n: int = 64, steps: int = 5) -> dict:
-    """The engine's decode-only step with each attention backend, the engines taking turns step by step
-    (`steps` per turn, `rounds` turns): median step ms, and each backend's speed against the first's."""
-    engines = {b: decoding_engine(model, tok, n, attention=b) for b in backends}
+def alternated_steps(engines: dict[str, LLMEngine], rounds: int, steps: int = 5) -> dict:
+    """Decode-only steps of each engine (one per attention backend), taking turns step by step (`steps`
+    per turn, `rounds` turns): median step ms, and each backend's speed against the last's."""
+    backends = list(engines)
     times = {b: [] for b in backends}
     for _ in range(rounds + 1):                                  # the first turn warms up
         for b, engine in engines.items():
@@ -200,11 +200,12 @@ def main() -> None:
                             "speed_vs_torch_matmul": tps / torch_tps}
     llama = {"decode_tokens_per_s": statistics.median(speeds["llama.cpp"]), "runs": speeds["llama.cpp"]} if peer else None
     backends = ["cpu", "torch"] if cpu_kernel.available() else ["torch"]
-    engines = {b: engine_split(base, tok, attention=b) for b in backends}
-    for e in engines.values():
+    busy = {b: decoding_engine(base, tok, attention=b) for b in backends}     # each built once, used twice
+    splits = {b: engine_split(base, e) for b, e in busy.items()}
+    for e in splits.values():
         e["fraction_of_matmul_rate"] = e["step_flops"] / (e["wall_ms"] / 1e3) / matmul_rate
-    engine = engines[backends[0]] | {"by_attention": alternated_steps(base, tok, backends, args.rounds)}
-    engine["torch_split"] = engines["torch"] if "cpu" in engines else None
+    engine = splits[backends[0]] | {"by_attention": alternated_steps(busy, args.rounds)}
+    engine["torch_split"] = splits["torch"] if "cpu" in splits else None
     print(json.dumps({"machine": machine_info(), "copy_bytes_per_s": copy_bw, "matmul_flops_per_s": matmul_rate,
                       "matvec_choice": {str(d).removeprefix("torch."): matvec.choice(d) for d in matvec.DTYPES},
                       "prompt_tokens": len(ids), "rounds": args.rounds,
