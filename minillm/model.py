@@ -24,6 +24,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
+from . import c_block
 from .attention import naive_attention
 from .config import ModelConfig
 from .matvec import linear
@@ -127,9 +128,15 @@ class Block(nn.Module):
         return self.after_attention(x, attn.attend(layer, q, k, v))
 
     def before_attention(self, x, cos, sin):
+        fused = c_block.before_attention(self, x, cos, sin)               # a decode's few rows: one C call
+        if fused is not None:
+            return fused
         return self.attn.qkv(self.attn_norm(x), cos, sin)
 
     def after_attention(self, x, out):
+        fused = c_block.after_attention(self, x, out)
+        if fused is not None:
+            return fused
         x = x + self.attn.output(out)
         return x + self.mlp(self.ffn_norm(x))
 
@@ -147,6 +154,7 @@ class FullAttention:
 
 class Transformer(nn.Module):
     quant: str | None = None   # the weights' format when quantized (`quant/apply.py`)
+    c_loops: dict = {}         # what quantize_model measured of the C loops for quantized layers (`matvec.race`)
 
     def __init__(self, cfg: ModelConfig, attn_fn=naive_attention):
         super().__init__()

@@ -12,6 +12,7 @@ pool of threads.
 
     attention/cpu_paged.c   paged decode attention, pages read in place (`attention/cpu_kernel.py`)
     matvec.c                a decode's few-row matrix products, streaming each weight once (`matvec.py`)
+    c_block.c               a block's two halves around attention in one call each, for a few rows (`c_block.py`)
     vec16.h                 what both include: 16 floats as one vector value, bfloat16 loads and stores
 """
 from __future__ import annotations
@@ -45,7 +46,7 @@ def compilers() -> list[str]:
 
 def _build(source: Path, cc: str, flags: list[str]) -> Path | None:
     """The shared library for this source, compiler and CPU (built now unless cached), or None if cc fails."""
-    headers = [h.read_bytes() for h in sorted(PACKAGE.rglob("*.h"))]               # what the sources include
+    headers = [h.read_bytes() for h in sorted([*PACKAGE.rglob("*.h"), *PACKAGE.rglob("*.c")])]   # what they include
     key = hashlib.sha256(b"\0".join([source.read_bytes(), *headers, cc.encode(), " ".join(flags).encode(),
                                      platform.machine().encode(), torch.backends.cpu.get_cpu_capability().encode(),
                                      platform.processor().encode()])).hexdigest()[:16]

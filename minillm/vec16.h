@@ -8,6 +8,9 @@
 
 #include <stdint.h>
 #include <string.h>
+#if defined(__AVX512F__) || defined(__AVX2__)
+#include <immintrin.h>
+#endif
 
 typedef float vec __attribute__((vector_size(64)));
 typedef int32_t ivec __attribute__((vector_size(64)));
@@ -32,6 +35,40 @@ static inline vec load_vec(const void *p, int bf16) {        /* 16 numbers; bflo
     for (int i = 0; i < 16; i++) w[i] = (int32_t)h[i] << 16;
     memcpy(&x, w, sizeof x);
     return x;
+}
+
+/* 16 bytes -> 16 int32, zero-extended (u8) or sign-extended (i8). GCC 12 turns the one-line vector
+   conversion into 16 scalar moves, so x86 gets its widening instruction by name; other CPUs the loop. */
+static inline ivec load_u8(const void *p) {
+    ivec r;
+#if defined(__AVX512F__)
+    __m512i v = _mm512_cvtepu8_epi32(_mm_loadu_si128((const __m128i *)p));
+    memcpy(&r, &v, 64);
+#elif defined(__AVX2__)
+    __m256i a = _mm256_cvtepu8_epi32(_mm_loadl_epi64((const __m128i *)p));
+    __m256i b = _mm256_cvtepu8_epi32(_mm_loadl_epi64((const __m128i *)((const char *)p + 8)));
+    memcpy(&r, &a, 32);
+    memcpy((char *)&r + 32, &b, 32);
+#else
+    for (int i = 0; i < 16; i++) r[i] = ((const uint8_t *)p)[i];
+#endif
+    return r;
+}
+
+static inline ivec load_i8(const void *p) {
+    ivec r;
+#if defined(__AVX512F__)
+    __m512i v = _mm512_cvtepi8_epi32(_mm_loadu_si128((const __m128i *)p));
+    memcpy(&r, &v, 64);
+#elif defined(__AVX2__)
+    __m256i a = _mm256_cvtepi8_epi32(_mm_loadl_epi64((const __m128i *)p));
+    __m256i b = _mm256_cvtepi8_epi32(_mm_loadl_epi64((const __m128i *)((const char *)p + 8)));
+    memcpy(&r, &a, 32);
+    memcpy((char *)&r + 32, &b, 32);
+#else
+    for (int i = 0; i < 16; i++) r[i] = ((const int8_t *)p)[i];
+#endif
+    return r;
 }
 
 static inline uint16_t float_to_bf16(float f) {             /* round to nearest, ties to even (as torch) */

@@ -78,3 +78,57 @@ def test_kv_stage_with_the_loop_gives_the_naive_tokens(model, tokenizer):
         naive = generate(model, tokenizer, ids, params, stage="naive").token_ids
         with matvec.using("c"):
             assert generate(model, tokenizer, ids, params, stage="kv").token_ids == naive
+
+
+@needs_c
+@pytest.mark.parametrize("rows", [1, 2, 5, 8])
+@pytest.mark.parametrize("out_features, in_features", [(16, 32), (48, 96), (960, 576), (576, 1536)])
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_quantized_products_match_float64(rows, out_features, in_features, dtype):
+    """int8 rows and Q4_1 blocks (in the C loop's tiles), against their own weights in float64."""
+    from minillm.quant.linear import Int8Linear, quantize_q4_1
+
+    g = torch.Generator().manual_seed(rows * 7 + out_features + in_features)
+    x = torch.randn(rows, in_features, generator=g).to(dtype)
+    w = torch.randn(out_features, in_features, generator=g)
+    i8, q4 = Int8Linear.from_float(w, kernel=False), quantize_q4_1(w)
+    tol = dict(rtol=1e-5, atol=1e-4) if dtype == torch.float32 else dict(rtol=1e-2, atol=5e-2)   # bfloat16 out
+    for got, weight in [(matvec.matvec_int8(x, i8.q, i8.scale), i8.dequantize()),
+                        (matvec.matvec_q4_1(x, *matvec.q4_tiles(q4.codes(), q4.scale, q4.min)), q4.dequantize())]:
+        assert got.shape == (rows, out_features) and got.dtype == dtype
+        torch.testing.assert_close(got.double(), x.double() @ weight.double().T, **tol)
+
+
+def test_q4_tiles_layout():
+    """Tile t, block g, byte [p][r]: row 16 t + r's weights 2p (low nibble) and 2p + 1 (high) of block g."""
+    codes = torch.randint(0, 16, (32, 64), dtype=torch.uint8, generator=torch.Generator().manual_seed(0))
+    d = torch.arange(64, dtype=torch.float16).view(32, 2)
+    tiles, dt, _ = matvec.q4_tiles(codes, d, d)
+    assert tiles.shape == (2, 2, 16, 16) and dt.shape == (2, 2, 16)
+    t, g, p, r = 1, 1, 5, 3
+    row, col = 16 * t + r, 32 * g + 2 * p
+    assert tiles[t, g, p, r] == codes[row, col] | (codes[row, col + 1] << 4)
+    assert dt[t, g, r] == d[row, g]
+
+
+@needs_c
+def test_race_and_quantized_layers_choose_by_measurement():
+    """quantize_model times the model's own int8 and Q4_1 layers against torch's kernels and gives each
+    layer the row count the C loops won up to; `using` forces either side."""
+    from minillm.config import ModelConfig
+    from minillm.model import Transformer
+    from minillm.quant.apply import quantize_model
+
+    calls = []
+    r = matvec.race({"torch": lambda rows: calls.append(("torch", rows)), "c": lambda rows: calls.append(("c", rows))},
+                    rounds=2)
+    assert {"torch_ms_1", "c_ms_1", "torch_ms_8", "c_ms_8", "use_c", "max_rows"} <= set(r)
+    assert calls[:2] == [("torch", 1), ("c", 1)] and len(calls) == 12       # turns, a warm-up round each
+    cfg = ModelConfig(n_layers=1, d_model=64, n_heads=2, n_kv_heads=1, head_dim=32, ffn_dim=64, vocab_size=96)
+    m = quantize_model(Transformer(cfg).eval().requires_grad_(False), "q4", progress=False)
+    assert set(m.c_loops) == {"int8", "q4_1"}
+    layer = m.layers[0].mlp.w_down
+    assert layer.c_rows == m.c_loops["q4_1"]["max_rows"] and m.lm_head.c_rows == m.c_loops["int8"]["max_rows"]
+    x = torch.randn(1, 64)
+    with matvec.using("c"):
+        torch.testing.assert_close(layer(x), F.linear(x, layer.dequantize()), rtol=1e-5, atol=1e-5)

@@ -1,0 +1,103 @@
+/* A transformer block's two halves around attention, each in one call, for a few rows of float32 activations.
+
+   A single-stream decode step of the course model runs over a thousand PyTorch operators, and apart from
+   the matrix products each does almost nothing: an RMSNorm of 576 numbers, RoPE on 15 heads of 64, a SiLU
+   of 1,536. What each costs is mostly the dispatch around it (notebook 14 counts them). This file does, in
+   plain loops, what `Block.before_attention` and `Block.after_attention` do (`model.py`):
+
+     block_before   h = RMSNorm(x); qkv = h Wqkv^T; RoPE on the query and key heads of qkv
+     block_after    x = x + out Wo^T;  x = x + Wdown (SiLU(gate) * up), (gate, up) = RMSNorm(x) Wgu^T
+
+   The products are `matvec.c`'s, for whichever format each weight is in (float32, int8 rows, Q4_1 blocks).
+   Attention stays with the caller, so every attention context (a cache, a paged pool) works as before.
+   Built at first use by `native.py`. */
+#include <math.h>
+#include <stdlib.h>
+#include "matvec.c"
+
+enum { W_FLOAT32 = 0, W_INT8 = 2, W_Q4_1 = 3 };
+
+typedef struct {          /* one weight (N, K) in its format; a, b, c are its tensors' data */
+    int kind;
+    const void *a, *b, *c;   /* float32: W. int8: codes, row scales. Q4_1: codes, d, m */
+    int64_t N;
+    int K;
+} weight;
+
+static int product(const float *x, weight w, float *y, int m, int threads) {   /* y (m, N) = x (m, K) W^T */
+    switch (w.kind) {
+    case W_FLOAT32: return matvec(x, w.a, y, m, w.N, w.K, 0, threads);
+    case W_INT8: return matvec_int8(x, w.a, w.b, y, m, w.N, w.K, 0, threads);
+    case W_Q4_1: return matvec_q4_1(x, w.a, w.b, w.c, y, m, w.N, w.K, 0, threads);
+    }
+    return -1;
+}
+
+static void rms_norm(const float *x, const float *gain, float eps, float *out, int m, int d) {
+    for (int i = 0; i < m; i++) {
+        const float *xi = x + (int64_t)i * d;
+        float ss = 0.0f;
+        for (int j = 0; j < d; j++) ss += xi[j] * xi[j];
+        float r = 1.0f / sqrtf(ss / d + eps);
+        for (int j = 0; j < d; j++) out[(int64_t)i * d + j] = xi[j] * r * gain[j];
+    }
+}
+
+/* qkv (m, heads, hd) out: the product, then RoPE on the first `rot_heads` heads (queries and keys).
+   Row i turns by table row i % table_rows of cos and sin (hd each; sin's first half already negated,
+   as `rope_tables` makes them): out_j = x_j cos_j + x_(j +- hd/2) sin_j. */
+int block_before(const float *x, int m, int d, const float *gain, float eps,
+                 int kind, const void *a, const void *b, const void *c, int64_t N,
+                 const float *cos, const float *sin, int table_rows, int rot_heads, int hd,
+                 float *qkv, int threads) {
+    if (m < 1 || m > MAX_M || hd % 2 || rot_heads * (int64_t)hd > N) return -1;
+    float *h = malloc(sizeof(float) * m * d);
+    if (!h) return -1;
+    rms_norm(x, gain, eps, h, m, d);
+    int rc = product(h, (weight){kind, a, b, c, N, d}, qkv, m, threads);
+    free(h);
+    if (rc) return rc;
+    int half = hd / 2;
+    for (int i = 0; i < m; i++) {
+        const float *co = cos + (int64_t)(i % table_rows) * hd, *si = sin + (int64_t)(i % table_rows) * hd;
+        for (int head = 0; head < rot_heads; head++) {
+            float *v = qkv + (int64_t)i * N + (int64_t)head * hd;
+            for (int j = 0; j < half; j++) {
+                float lo = v[j], hi = v[j + half];
+                v[j] = lo * co[j] + hi * si[j];
+                v[j + half] = hi * co[j + half] + lo * si[j + half];
+            }
+        }
+    }
+    return 0;
+}
+
+/* y (m, d) = x + out Wo^T, then y += Wdown (SiLU(gate) * up), (gate, up) = RMSNorm(y) Wgu^T. out (m, H hd). */
+int block_after(const float *x0, float *x, const float *out, int m, int d, const float *gain, float eps,
+                int ko, const void *oa, const void *ob, const void *oc, int Ko,
+                int kg, const void *ga, const void *gb, const void *gc, int64_t ffn2,
+                int kd, const void *da, const void *db, const void *dc, int threads) {
+    if (m < 1 || m > MAX_M || ffn2 % 2) return -1;
+    int64_t ffn = ffn2 / 2;
+    float *t = malloc(sizeof(float) * m * (d + ffn2 + ffn));
+    if (!t) return -1;
+    float *h = t, *gu = t + (int64_t)m * d, *act = gu + (int64_t)m * ffn2;
+    int rc = product(out, (weight){ko, oa, ob, oc, d, Ko}, h, m, threads);
+    if (rc) goto done;
+    for (int64_t j = 0; j < (int64_t)m * d; j++) x[j] = x0[j] + h[j];
+    rms_norm(x, gain, eps, h, m, d);
+    rc = product(h, (weight){kg, ga, gb, gc, ffn2, d}, gu, m, threads);
+    if (rc) goto done;
+    #pragma omp parallel for schedule(static) num_threads(threads)
+    for (int64_t j = 0; j < (int64_t)m * ffn; j++) {
+        int64_t i = j / ffn, k = j % ffn;
+        float g = gu[i * ffn2 + k], u = gu[i * ffn2 + ffn + k];
+        act[j] = g / (1.0f + expf(-g)) * u;                          /* SiLU(gate) * up */
+    }
+    rc = product(act, (weight){kd, da, db, dc, d, (int)ffn}, h, m, threads);
+    if (rc) goto done;
+    for (int64_t j = 0; j < (int64_t)m * d; j++) x[j] += h[j];
+done:
+    free(t);
+    return rc;
+}

@@ -1,0 +1,152 @@
+"""A block's two halves around attention in one C call each, for a decode's few rows (`c_block.c`).
+
+`Block.before_attention` (RMSNorm, the Q/K/V product, RoPE) and `Block.after_attention` (the output product,
+the residual, RMSNorm, the SwiGLU MLP, the residual) run about 35 PyTorch operators per layer; for one row
+of activations each does a few microseconds of work and costs a few more to dispatch. Here each half is one
+call into C, with the products of `matvec.c` in each weight's own format. Attention stays in Python, with
+the stage's attention context, so every stage can use it.
+
+A block takes this path when its activations are float32 rows on a CPU, at most `matvec.MAX_ROWS` of them,
+every weight is float32, int8 rows (`Int8Linear`) or Q4_1 blocks (`Q4Linear`), and the products would run
+in C anyway: where this machine measured the C loops faster for that many rows (`matvec.choice`, and each
+quantized layer's `c_rows`), or under `matvec.using("c")`. `matvec.using("torch")` turns it off, and so does
+
+    with c_block.using(False): ...     the same products in C, the other operators in PyTorch (to compare)
+
+The arithmetic is the same in float32, in another order: logits agree to rounding, greedy tokens match (tests).
+"""
+from __future__ import annotations
+
+import ctypes
+from contextlib import contextmanager
+from functools import lru_cache
+from pathlib import Path
+
+import torch
+
+from . import matvec, native
+
+SOURCE = Path(__file__).with_name("c_block.c")
+PROFILER_NAME = "minillm::c_block"     # what torch.profiler sees: the products, with the norms, RoPE and SiLU
+W_FLOAT32, W_INT8, W_Q4_1 = 0, 2, 3
+_enabled = True
+
+
+@lru_cache(maxsize=1)
+def load_library():
+    built = native.load(SOURCE)
+    if built:
+        lib, p, i32, i64, f32 = built[0], ctypes.c_void_p, ctypes.c_int, ctypes.c_int64, ctypes.c_float
+        w = [i32, p, p, p]                                              # a weight: kind and three tensors
+        lib.block_before.argtypes = [p, i32, i32, p, f32, *w, i64, p, p, i32, i32, i32, p, i32]
+        lib.block_after.argtypes = [p, p, p, i32, i32, p, f32, *w, i32, *w, i64, *w, i32]
+        lib.block_before.restype = lib.block_after.restype = i32
+    return built
+
+
+def _call(name: str, *args) -> int:
+    f = getattr(load_library()[0], name)
+    if torch.autograd.profiler._is_profiler_enabled:              # seen by torch.profiler as one operator
+        with torch.profiler.record_function(PROFILER_NAME):
+            return f(*args)
+    return f(*args)
+
+
+@contextmanager
+def using(enabled: bool):
+    """Whether blocks may take the C path inside the block (default True)."""
+    global _enabled
+    old, _enabled = _enabled, enabled
+    try:
+        yield
+    finally:
+        _enabled = old
+
+
+def _describe(layer) -> tuple | None:
+    """(kind, a, b, c): a layer's weight as the C code takes it, or None where it has no C product."""
+    from .model import Linear
+    from .quant.linear import Int8Linear, Q4Linear
+    if type(layer) is Linear and layer.weight.dtype == torch.float32 and layer.in_features % 16 == 0:
+        return W_FLOAT32, layer.weight.data_ptr(), None, None
+    if type(layer) is Int8Linear and layer.in_features % 16 == 0:
+        return W_INT8, layer.q.data_ptr(), layer.scale.data_ptr(), None
+    if type(layer) is Q4Linear and hasattr(layer, "c_tiles"):
+        return W_Q4_1, layer.c_tiles.data_ptr(), layer.c_scale.data_ptr(), layer.c_min.data_ptr()
+    return None
+
+
+def _max_rows(layer) -> int:
+    """Up to how many rows this machine measured the layer's C product faster (0: never)."""
+    rows = layer.__dict__.get("c_rows")                    # quantized layers: measured on their model
+    return rows if rows is not None else (matvec.choice(torch.float32) or {}).get("max_rows", 0)
+
+
+def _weights(block, x: torch.Tensor) -> list[tuple] | None:
+    """The block's four weights as C arguments, or None where the block does not take the C path for x.
+    Described once per block and kept, again if a layer or its weight is replaced. (Module attributes are
+    read through `_modules`, `_parameters` and `_buffers`: `block.attn.wqkv` costs a microsecond or two
+    per step of the chain, and this runs twice per layer per step.)"""
+    if torch.compiler.is_compiling() or x.device.type != "cpu" or not _enabled or matvec._mode == "torch":
+        return None
+    rows = x.numel() // x.shape[-1]
+    if (x.dtype != torch.float32 or not 0 < rows <= matvec.MAX_ROWS or torch.is_grad_enabled()
+            or load_library() is None):
+        return None
+    attn, mlp = block._modules["attn"]._modules, block._modules["mlp"]._modules
+    layers = (attn["wqkv"], attn["wo"], mlp["w_gate_up"], mlp["w_down"])
+    data = tuple(_data(layer) for layer in layers)
+    kept = block.__dict__.get("_c_weights")
+    if kept is None or any(a is not b for a, b in zip(kept[0], layers + data)):
+        kept = (layers + data, [_describe(layer) for layer in layers])
+        block.__dict__["_c_weights"] = kept
+    found = kept[1]
+    if None in found or (matvec._mode != "c" and rows > min(_max_rows(layer) for layer in layers)):
+        return None
+    return found
+
+
+def _data(layer) -> torch.Tensor | None:
+    """The tensor holding a layer's weight (a new one means the layer is described again)."""
+    b = layer._buffers
+    for name in ("c_tiles", "q"):
+        if b.get(name) is not None:
+            return b[name]
+    return layer._parameters.get("weight")
+
+
+def before_attention(block, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor):
+    """Block.before_attention in one call: x (B, T, d) -> q (B, H, T, hd), k and v (B, n_kv, T, hd);
+    None where the block does not take the C path (the caller runs its own)."""
+    w = _weights(block, x)
+    if w is None:
+        return None
+    a, norm, (B, T, d) = block._modules["attn"], block._modules["attn_norm"], x.shape
+    H, n_kv, hd = a.n_heads, a.n_kv, a.hd
+    x = x.contiguous()
+    if cos.dim() != 2:
+        cos, sin = cos.reshape(-1, hd), sin.reshape(-1, hd)       # (B, 1, T, hd) -> (B T, hd)
+    cos, sin = cos.contiguous(), sin.contiguous()                # row i of x turns by row i % len(cos)
+    qkv = torch.empty(B, T, H + 2 * n_kv, hd)
+    rc = _call("block_before",
+        x.data_ptr(), B * T, d, norm._parameters["weight"].data_ptr(), norm.eps, *w[0], qkv.shape[2] * hd,
+        cos.data_ptr(), sin.data_ptr(), cos.shape[0], H + n_kv, hd, qkv.data_ptr(), torch.get_num_threads())
+    assert rc == 0, "block_before: shapes past the C code's limits"
+    return qkv.transpose(1, 2).split([H, n_kv, n_kv], dim=1)          # (B, H | n_kv | n_kv, T, hd)
+
+
+def after_attention(block, x: torch.Tensor, out: torch.Tensor):
+    """Block.after_attention in one call: x (B, T, d), out (B, H, T, hd) -> the block's output (B, T, d);
+    None where the block does not take the C path."""
+    w = _weights(block, x)
+    if w is None:
+        return None
+    B, T, d = x.shape
+    x, y = x.contiguous(), torch.empty(B, T, d)                          # the residual stream, in and out
+    out = out.transpose(1, 2).reshape(B * T, -1).contiguous()          # (B T, H hd)
+    norm = block._modules["ffn_norm"]
+    rc = _call("block_after",
+        x.data_ptr(), y.data_ptr(), out.data_ptr(), B * T, d, norm._parameters["weight"].data_ptr(), norm.eps,
+        *w[1], out.shape[1], *w[2], block.mlp.w_gate_up.out_features, *w[3], torch.get_num_threads())
+    assert rc == 0, "block_after: shapes past the C code's limits"
+    return y

@@ -1,0 +1,114 @@
+"""A block's two halves in one C call each (`minillm/c_block.py`): the same numbers as the block's own
+PyTorch code for every weight format it takes, the cases it leaves to PyTorch, and the 4-bit file's greedy
+tokens equal to the same weights' float32 arithmetic."""
+import copy
+
+import pytest
+import torch
+
+from minillm import c_block, matvec
+from minillm.config import ModelConfig
+from minillm.model import Linear, Transformer, rope_tables
+from minillm.quant.apply import LINEARS, quantize_model
+
+needs_c = pytest.mark.skipif(c_block.load_library() is None, reason="no C compiler builds the block here")
+CFG = ModelConfig(n_layers=2, d_model=128, n_heads=4, n_kv_heads=2, head_dim=32, ffn_dim=96, vocab_size=256)
+
+
+def tiny(quant):
+    torch.manual_seed(0)
+    m = Transformer(CFG).eval().requires_grad_(False)
+    for p in m.parameters():
+        p.data.normal_(0, 0.2)
+    return quantize_model(m, quant, progress=False) if quant else m
+
+
+def inputs(B, T, seed=0):
+    g = torch.Generator().manual_seed(seed)
+    x = torch.randn(B, T, CFG.d_model, generator=g)
+    pos = torch.arange(T) + 5 if B == 1 else torch.randint(0, 50, (B, T), generator=g)   # ragged positions
+    cos, sin = rope_tables(CFG.head_dim, pos, CFG.rope_base)
+    if cos.dim() == 3:
+        cos, sin = cos[:, None], sin[:, None]                                            # (B, 1, T, hd)
+    return x, cos, sin, torch.randn(B, CFG.n_heads, T, CFG.head_dim, generator=g)
+
+
+@needs_c
+@pytest.mark.parametrize("quant", [None, "int8", "q4"])
+@pytest.mark.parametrize("B, T", [(1, 1), (1, 3), (4, 1), (2, 4)])
+@torch.inference_mode()
+def test_halves_match_the_blocks_own_code(quant, B, T):
+    block = tiny(quant).layers[1]
+    x, cos, sin, out = inputs(B, T)
+    with matvec.using("c"):                   # the same products either way: what differs is the rest
+        with c_block.using(False):
+            ref = [*block.before_attention(x, cos, sin), block.after_attention(x, out)]
+        got = [*c_block.before_attention(block, x, cos, sin), c_block.after_attention(block, x, out)]
+    for a, b in zip(ref, got):
+        assert a.shape == b.shape
+        torch.testing.assert_close(b, a, rtol=1e-4, atol=1e-4)
+
+
+@needs_c
+@torch.inference_mode()
+def test_what_it_leaves_to_pytorch():
+    m = tiny(None)
+    block = m.layers[0]
+    x, cos, sin, _ = inputs(1, 1)
+    with matvec.using("c"):
+        assert c_block.before_attention(block, x, cos, sin) is not None
+        assert c_block.before_attention(block, x.bfloat16(), cos, sin) is None          # float32 only
+        x9, cos9, sin9, _ = inputs(1, 9)
+        assert c_block.before_attention(block, x9, cos9, sin9) is None                 # more rows than 8
+        with c_block.using(False):
+            assert c_block.before_attention(block, x, cos, sin) is None
+    with matvec.using("torch"):
+        assert c_block.before_attention(block, x, cos, sin) is None
+    w8a8 = quantize_model(tiny(None), "w8a8", progress=False)                          # no C product for it
+    with matvec.using("c"):
+        assert c_block.before_attention(w8a8.layers[0], x, cos, sin) is None
+
+
+@needs_c
+@torch.inference_mode()
+def test_a_replaced_weight_is_described_again():
+    block = tiny(None).layers[0]
+    x, cos, sin, _ = inputs(1, 1)
+    with matvec.using("c"):
+        before = c_block.before_attention(block, x, cos, sin)[0].clone()
+        block.attn.wqkv.weight = torch.nn.Parameter(block.attn.wqkv.weight * 2, requires_grad=False)
+        after = c_block.before_attention(block, x, cos, sin)[0]
+    torch.testing.assert_close(after, 2 * before, rtol=1e-5, atol=1e-5)                # RoPE is linear
+
+
+def as_float32(model):
+    """The same weights as plain float32 Linear layers: the arithmetic the C path does, done by PyTorch."""
+    f = copy.deepcopy(model)
+    for block in f.layers:
+        for part, name in LINEARS:
+            q = getattr(getattr(block, part), name)
+            layer = Linear(q.in_features, q.out_features, bias=False)
+            layer.weight = torch.nn.Parameter(q.dequantize(), requires_grad=False)
+            setattr(getattr(block, part), name, layer)
+    head = Linear(f.lm_head.in_features, f.lm_head.out_features, bias=False)
+    head.weight = torch.nn.Parameter(f.lm_head.dequantize(), requires_grad=False)
+    f.lm_head = head
+    return f
+
+
+@needs_c
+@pytest.mark.slow
+def test_the_4bit_file_gives_its_float32_arithmetics_tokens(quantized, tokenizer):
+    """q4_file through the C block (float32 activations, the file's weights) against the naive stage on the
+    same weights dequantized to float32: the same greedy tokens."""
+    from minillm.generate import generate
+    from minillm.sampling import SamplingParams
+
+    q4 = quantized["q4_file"]
+    ref_model = as_float32(q4)
+    params = SamplingParams(max_tokens=32)
+    for text in ["The history of the printing press begins in", "def fibonacci(n):"]:
+        ids = tokenizer.encode(text)
+        with matvec.using("c"):
+            assert (generate(q4, tokenizer, ids, params, stage="kv").token_ids
+                    == generate(ref_model, tokenizer, ids, params, stage="naive").token_ids)
