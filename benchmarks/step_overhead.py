@@ -4,8 +4,10 @@ First each lossy format's mean KL from float32 on the run's prompt and the held-
 (`minillm/course/quality.py`): a format past its bound gets no speed, only the reason. Then, for each format
 within its bound:
 - single-stream decode tokens/s (the kv stage, 64 greedy tokens after a short prompt), the formats taking
-  turns round by round; float32 and bfloat16 also with torch's own kernel for every product, where this
-  machine chose the C loop of `minillm/matvec.py` for a decode's rows (`speed_vs_torch_matmul`);
+  turns round by round. Where this machine chose C loops for a decode's few rows (`minillm/matvec.py`;
+  for int8 and Q4_1 layers `model.c_loops`), the format runs again with torch's own kernel for every
+  product (`speed_vs_torch_matmul`); where its blocks take the C path (`minillm/c_block.py`, float32
+  activations), again with the C products but the block as PyTorch operators (`speed_vs_pytorch_block`);
 - the bytes a decode step must read (every weight once and the prompt's K/V), the tokens/s the machine's
   measured copy bandwidth allows at that (the floor), and the fraction of it achieved;
 - one decode step split four ways (`minillm/course/step_profile.py`): matrix products, attention, the rest of
@@ -18,7 +20,7 @@ done for the cpu attention backend (the C kernel reads pages in place; `engine`)
 (pages gathered for SDPA; `engine.torch_split`), and the two engines also take turns step by step for a
 side-by-side step time (`engine.by_attention`).
 With `--peer-python PY` (a Python with llama-cpp-python), llama.cpp's single-stream decode on the same GGUF
-file takes its turn in every round (the script of `quantization.py`).
+file takes its turn in every round (the script of `quantization.py`; `speed_vs_llama_cpp` per format).
 
     python benchmarks/step_overhead.py [--rounds 3] [--peer-python PY] > benchmarks/results/cpu_step_overhead.json
 """
@@ -39,7 +41,9 @@ from minillm.course.bench import machine_info
 from minillm.course.quality import check_quality, heldout_ids, refusal
 from minillm.course.roofline import forward_flops, measure_copy_bandwidth, measure_matmul_flops
 from minillm.course.step_profile import bytes_per_token, step_split
-from minillm import matvec
+import torch
+
+from minillm import c_block, matvec
 from minillm.attention import cpu_kernel
 from minillm.engine import LLMEngine
 from minillm.generate import generate
@@ -50,6 +54,23 @@ from minillm.stages import KVCacheRunner
 
 PROMPT = "The history of the printing press begins in"
 FORMATS = [("float32", None), ("bfloat16", None), ("float32", "int8"), ("float32", "w8a8"), ("float32", "q4_file")]
+
+
+TORCH, PYTORCH_BLOCK = ", torch kernels", ", C products, PyTorch block"
+
+
+def variants(model) -> dict[str, tuple[str, bool]]:
+    """{name suffix: (matvec mode, c_block on)} to time for a model: as it runs ("": the measured choices),
+    with torch's kernels for every product where it sends some to C, and with the C products but the block
+    as PyTorch operators where its blocks take the C path (float32 activations)."""
+    v = {"": ("auto", True)}
+    uses_c = any(r.get("use_c") for r in model.c_loops.values()) or (
+        model.dtype in matvec.DTYPES and not model.quant and (matvec.choice(model.dtype) or {}).get("use_c"))
+    if uses_c:
+        v[TORCH] = ("torch", True)
+        if model.dtype == torch.float32 and c_block.load_library() is not None:
+            v[PYTORCH_BLOCK] = ("auto", False)
+    return v
 
 
 def load(dtype: str, quant: str | None):
@@ -160,10 +181,12 @@ def main() -> None:
             print(refusal(q), file=sys.stderr)
     copy_bw, matmul_rate = measure_copy_bandwidth(), measure_matmul_flops()
     speeds = {name: [] for name in models}
-    # float32 and bfloat16 decode once more with torch's own kernel for every product (`minillm/matvec.py`
-    # sends a decode's few rows through its C loop where this machine measured that faster)
-    plain = [n for n in ("float32", "bfloat16") if n in models and (matvec.choice(models[n].dtype) or {}).get("use_c")]
-    speeds |= {n + ", torch matmul": [] for n in plain}
+    # each format once more with torch's own kernel for every product (`minillm/matvec.py` and the quantized
+    # layers send a decode's few rows through C loops where this machine measured them faster), and float32
+    # activations once more with the C products but the block as PyTorch operators (`minillm/c_block.py`)
+    modes = {name: variants(m) for name, m in models.items()}
+    for name, v in modes.items():
+        speeds |= {name + suffix: [] for suffix in v if suffix}
     params = SamplingParams(max_tokens=64, ignore_eos=True)
     peer = None
     if args.peer_python:
@@ -172,12 +195,12 @@ def main() -> None:
         speeds["llama.cpp"] = []
     for rnd in tqdm(range(args.rounds + 1), desc="rounds", file=sys.stderr):   # round 0 warms up
         for name, m in models.items():
-            for mode in ("auto", "torch") if name in plain else ("auto",):
-                with matvec.using(mode):
+            for suffix, (mode, block) in modes[name].items():
+                with matvec.using(mode), c_block.using(block):
                     p = params if rnd else SamplingParams(max_tokens=4)
                     tps = generate(m, tok, ids, p, stage="kv").decode_tokens_per_s
                 if rnd:
-                    speeds[name + (", torch matmul" if mode == "torch" else "")].append(tps)
+                    speeds[name + suffix].append(tps)
         if peer:
             peer.stdin.write("go\n")
             peer.stdin.flush()
@@ -194,10 +217,15 @@ def main() -> None:
                         "weight_bytes": weight_bytes(m), "bytes_per_token": nbytes,
                         "floor_tokens_per_s": floor, "fraction_of_floor": tps / floor,
                         "kl": gate[name]["kl"] if gate[name] else 0.0, "step": split})
-        if name in plain:
-            torch_tps = statistics.median(speeds[name + ", torch matmul"])
-            results[-1] |= {"torch_matmul_tokens_per_s": torch_tps, "torch_matmul_runs": speeds[name + ", torch matmul"],
-                            "speed_vs_torch_matmul": tps / torch_tps}
+        for suffix, key in ((TORCH, "torch_matmul"), (PYTORCH_BLOCK, "pytorch_block")):
+            if name + suffix in speeds:
+                other = statistics.median(speeds[name + suffix])
+                results[-1] |= {f"{key}_tokens_per_s": other, f"{key}_runs": speeds[name + suffix],
+                                f"speed_vs_{key}": tps / other}
+        if args.peer_python:                     # of the medians, and the median of round-by-round ratios
+            results[-1]["speed_vs_llama_cpp"] = tps / statistics.median(speeds["llama.cpp"])
+            results[-1]["speed_vs_llama_cpp_by_round"] = statistics.median(
+                a / b for a, b in zip(speeds[name], speeds["llama.cpp"]))
     llama = {"decode_tokens_per_s": statistics.median(speeds["llama.cpp"]), "runs": speeds["llama.cpp"]} if peer else None
     backends = ["cpu", "torch"] if cpu_kernel.available() else ["torch"]
     busy = {b: decoding_engine(base, tok, attention=b) for b in backends}     # each built once, used twice
@@ -208,6 +236,7 @@ def main() -> None:
     engine["torch_split"] = splits["torch"] if "cpu" in splits else None
     print(json.dumps({"machine": machine_info(), "copy_bytes_per_s": copy_bw, "matmul_flops_per_s": matmul_rate,
                       "matvec_choice": {str(d).removeprefix("torch."): matvec.choice(d) for d in matvec.DTYPES},
+                      "c_loops": {name: m.c_loops for name, m in models.items() if m.c_loops},
                       "prompt_tokens": len(ids), "rounds": args.rounds,
                       "refused": {k: refusal(q) for k, q in gate.items() if q and not q["within_bound"]},
                       "formats": results, "llama.cpp": llama, "engine": engine}, indent=1))
