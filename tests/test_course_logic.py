@@ -195,7 +195,8 @@ def test_textbook_operators_give_the_same_logits_with_more_calls():
 
     def run():                                                # a prompt, then two decode steps
         return torch.stack([runner.prefill([5, 9, 2, 7]), runner.decode(11), runner.decode(3)])
-    after, after_ops = run(), sum(op_counts(lambda: runner.decode(4)).values())
+    with textbook():                                          # as written, the block in PyTorch
+        after, after_ops = run(), sum(op_counts(lambda: runner.decode(4)).values())
     saved = (model_module.apply_rope, model_module.rope_tables, model_module.Attention.qkv)
     for parts in [(v,) for v in VARIANTS] + [VARIANTS]:
         with textbook(*parts):
