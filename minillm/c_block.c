@@ -43,46 +43,57 @@ static void rms_norm(const float *x, const float *gain, float eps, float *out, i
     }
 }
 
-/* qkv (m, heads, hd) out: the product, then RoPE on the first `rot_heads` heads (queries and keys).
-   Row i turns by table row i % table_rows of cos and sin (hd each; sin's first half already negated,
-   as `rope_tables` makes them): out_j = x_j cos_j + x_(j +- hd/2) sin_j. */
-int block_before(const float *x, int m, int d, const float *gain, float eps,
+/* qkv out, head-major (B, heads, T, hd) with m = B T rows: the product, then RoPE on the first `rot_heads`
+   heads (queries and keys). Row i turns by table row i % table_rows of cos and sin (hd each; sin's first
+   half already negated, as `rope_tables` makes them): out_j = x_j cos_j + x_(j +- hd/2) sin_j. */
+int block_before(const float *x, int m, int T, int d, const float *gain, float eps,
                  int kind, const void *a, const void *b, const void *c, int64_t N,
                  const float *cos, const float *sin, int table_rows, int rot_heads, int hd,
                  float *qkv, int threads) {
-    if (m < 1 || m > MAX_M || hd % 2 || rot_heads * (int64_t)hd > N) return -1;
-    float *h = malloc(sizeof(float) * m * d);
+    if (m < 1 || m > MAX_M || T < 1 || m % T || hd % 2 || N % hd || rot_heads * (int64_t)hd > N) return -1;
+    float *h = malloc(sizeof(float) * m * (d + N));
     if (!h) return -1;
+    float *rows = h + (int64_t)m * d;                                  /* the product, (m, heads hd) */
     rms_norm(x, gain, eps, h, m, d);
-    int rc = product(h, (weight){kind, a, b, c, N, d}, qkv, m, threads);
-    free(h);
-    if (rc) return rc;
-    int half = hd / 2;
-    for (int i = 0; i < m; i++) {
+    int rc = product(h, (weight){kind, a, b, c, N, d}, rows, m, threads);
+    int half = hd / 2, heads = (int)(N / hd);
+    for (int i = 0; i < m && !rc; i++) {
         const float *co = cos + (int64_t)(i % table_rows) * hd, *si = sin + (int64_t)(i % table_rows) * hd;
-        for (int head = 0; head < rot_heads; head++) {
-            float *v = qkv + (int64_t)i * N + (int64_t)head * hd;
+        for (int head = 0; head < heads; head++) {
+            const float *v = rows + (int64_t)i * N + (int64_t)head * hd;
+            float *o = qkv + (((int64_t)(i / T) * heads + head) * T + i % T) * hd;
+            if (head >= rot_heads) {
+                memcpy(o, v, sizeof(float) * hd);
+                continue;
+            }
             for (int j = 0; j < half; j++) {
                 float lo = v[j], hi = v[j + half];
-                v[j] = lo * co[j] + hi * si[j];
-                v[j + half] = hi * co[j + half] + lo * si[j + half];
+                o[j] = lo * co[j] + hi * si[j];
+                o[j + half] = hi * co[j + half] + lo * si[j + half];
             }
         }
     }
-    return 0;
+    free(h);
+    return rc;
 }
 
-/* y (m, d) = x + out Wo^T, then y += Wdown (SiLU(gate) * up), (gate, up) = RMSNorm(y) Wgu^T. out (m, H hd). */
-int block_after(const float *x0, float *x, const float *out, int m, int d, const float *gain, float eps,
+/* y (m, d) = x + out Wo^T, then y += Wdown (SiLU(gate) * up), (gate, up) = RMSNorm(y) Wgu^T. out is attention's
+   output (B, H, T, hd) at strides (so_b, so_h, so_t, 1), with m = B T; Ko = H hd. */
+int block_after(const float *x0, float *x, const float *out, int64_t so_b, int64_t so_h, int64_t so_t, int T, int hd,
+                int m, int d, const float *gain, float eps,
                 int ko, const void *oa, const void *ob, const void *oc, int Ko,
                 int kg, const void *ga, const void *gb, const void *gc, int64_t ffn2,
                 int kd, const void *da, const void *db, const void *dc, int threads) {
-    if (m < 1 || m > MAX_M || ffn2 % 2) return -1;
+    if (m < 1 || m > MAX_M || T < 1 || m % T || ffn2 % 2 || Ko % hd) return -1;
     int64_t ffn = ffn2 / 2;
-    float *t = malloc(sizeof(float) * m * (d + ffn2 + ffn));
+    float *t = malloc(sizeof(float) * m * (d + ffn2 + ffn + Ko));
     if (!t) return -1;
-    float *h = t, *gu = t + (int64_t)m * d, *act = gu + (int64_t)m * ffn2;
-    int rc = product(out, (weight){ko, oa, ob, oc, d, Ko}, h, m, threads);
+    float *h = t, *gu = t + (int64_t)m * d, *act = gu + (int64_t)m * ffn2, *o = act + (int64_t)m * ffn;
+    for (int i = 0; i < m; i++)                                       /* out (B, H, T, hd) -> o (B T, H hd) */
+        for (int head = 0; head < Ko / hd; head++)
+            memcpy(o + (int64_t)i * Ko + (int64_t)head * hd, out + (i / T) * so_b + head * so_h + (i % T) * so_t,
+                   sizeof(float) * hd);
+    int rc = product(o, (weight){ko, oa, ob, oc, d, Ko}, h, m, threads);
     if (rc) goto done;
     for (int64_t j = 0; j < (int64_t)m * d; j++) x[j] = x0[j] + h[j];
     rms_norm(x, gain, eps, h, m, d);

@@ -38,8 +38,8 @@ def load_library():
     if built:
         lib, p, i32, i64, f32 = built[0], ctypes.c_void_p, ctypes.c_int, ctypes.c_int64, ctypes.c_float
         w = [i32, p, p, p]                                              # a weight: kind and three tensors
-        lib.block_before.argtypes = [p, i32, i32, p, f32, *w, i64, p, p, i32, i32, i32, p, i32]
-        lib.block_after.argtypes = [p, p, p, i32, i32, p, f32, *w, i32, *w, i64, *w, i32]
+        lib.block_before.argtypes = [p, i32, i32, i32, p, f32, *w, i64, p, p, i32, i32, i32, p, i32]
+        lib.block_after.argtypes = [p, p, p, i64, i64, i64, i32, i32, i32, i32, p, f32, *w, i32, *w, i64, *w, i32]
         lib.block_before.restype = lib.block_after.restype = i32
     return built
 
@@ -84,35 +84,49 @@ def _max_rows(layer) -> int:
 
 def _weights(block, x: torch.Tensor) -> list[tuple] | None:
     """The block's four weights as C arguments, or None where the block does not take the C path for x.
-    Described once per block and kept, again if a layer or its weight is replaced. (Module attributes are
-    read through `_modules`, `_parameters` and `_buffers`: `block.attn.wqkv` costs a microsecond or two
-    per step of the chain, and this runs twice per layer per step.)"""
+    Described once per block and kept, again if a layer or its weight tensor is replaced. (This runs twice
+    per layer per step, so it reads `_modules`, `_parameters` and `_buffers` directly and checks what it
+    kept with plain identity tests: `block.attn.wqkv` costs a microsecond or two per step of the chain.)"""
     if torch.compiler.is_compiling() or x.device.type != "cpu" or not _enabled or matvec._mode == "torch":
         return None
     rows = x.numel() // x.shape[-1]
     if (x.dtype != torch.float32 or not 0 < rows <= matvec.MAX_ROWS or torch.is_grad_enabled()
             or load_library() is None):
         return None
-    attn, mlp = block._modules["attn"]._modules, block._modules["mlp"]._modules
-    layers = (attn["wqkv"], attn["wo"], mlp["w_gate_up"], mlp["w_down"])
-    data = tuple(_data(layer) for layer in layers)
     kept = block.__dict__.get("_c_weights")
-    if kept is None or any(a is not b for a, b in zip(kept[0], layers + data)):
-        kept = (layers + data, [_describe(layer) for layer in layers])
+    if kept is None or not _unchanged(kept[0]):
+        attn, mlp = block._modules["attn"]._modules, block._modules["mlp"]._modules
+        layers = (attn["wqkv"], attn["wo"], mlp["w_gate_up"], mlp["w_down"])
+        kept = (_checks(block, layers), [_describe(layer) for layer in layers], layers)
         block.__dict__["_c_weights"] = kept
-    found = kept[1]
-    if None in found or (matvec._mode != "c" and rows > min(_max_rows(layer) for layer in layers)):
+    _, found, layers = kept
+    if None in found:
         return None
+    if matvec._mode != "c":
+        for layer in layers:                            # measured per layer, and may be measured again
+            if rows > _max_rows(layer):
+                return None
     return found
 
 
-def _data(layer) -> torch.Tensor | None:
-    """The tensor holding a layer's weight (a new one means the layer is described again)."""
-    b = layer._buffers
-    for name in ("c_tiles", "q"):
-        if b.get(name) is not None:
-            return b[name]
-    return layer._parameters.get("weight")
+def _checks(block, layers) -> list[tuple]:
+    """(dict, key, value) triples that hold while the block's layers and their weight tensors are the same."""
+    attn, mlp = block._modules["attn"]._modules, block._modules["mlp"]._modules
+    names = ((attn, "wqkv"), (attn, "wo"), (mlp, "w_gate_up"), (mlp, "w_down"))
+    checks = [(d, k, layer) for (d, k), layer in zip(names, layers)]
+    for layer in layers:
+        for store in (layer._buffers, layer._parameters):
+            for name in ("c_tiles", "q", "weight"):
+                if store.get(name) is not None:
+                    checks.append((store, name, store[name]))
+    return checks
+
+
+def _unchanged(checks: list[tuple]) -> bool:
+    for d, k, v in checks:
+        if d.get(k) is not v:
+            return False
+    return True
 
 
 def before_attention(block, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor):
@@ -127,12 +141,12 @@ def before_attention(block, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tenso
     if cos.dim() != 2:
         cos, sin = cos.reshape(-1, hd), sin.reshape(-1, hd)       # (B, 1, T, hd) -> (B T, hd)
     cos, sin = cos.contiguous(), sin.contiguous()                # row i of x turns by row i % len(cos)
-    qkv = torch.empty(B, T, H + 2 * n_kv, hd)
+    qkv = torch.empty(B, H + 2 * n_kv, T, hd)                    # written head-major: q, k, v are views
     rc = _call("block_before",
-        x.data_ptr(), B * T, d, norm._parameters["weight"].data_ptr(), norm.eps, *w[0], qkv.shape[2] * hd,
+        x.data_ptr(), B * T, T, d, norm._parameters["weight"].data_ptr(), norm.eps, *w[0], qkv.shape[1] * hd,
         cos.data_ptr(), sin.data_ptr(), cos.shape[0], H + n_kv, hd, qkv.data_ptr(), torch.get_num_threads())
     assert rc == 0, "block_before: shapes past the C code's limits"
-    return qkv.transpose(1, 2).split([H, n_kv, n_kv], dim=1)          # (B, H | n_kv | n_kv, T, hd)
+    return torch.split_with_sizes(qkv, [H, n_kv, n_kv], 1)          # (B, H | n_kv | n_kv, T, hd)
 
 
 def after_attention(block, x: torch.Tensor, out: torch.Tensor):
@@ -143,10 +157,13 @@ def after_attention(block, x: torch.Tensor, out: torch.Tensor):
         return None
     B, T, d = x.shape
     x, y = x.contiguous(), torch.empty(B, T, d)                          # the residual stream, in and out
-    out = out.transpose(1, 2).reshape(B * T, -1).contiguous()          # (B T, H hd)
-    norm = block._modules["ffn_norm"]
+    if out.stride(-1) != 1:
+        out = out.contiguous()
+    so = out.stride()                                                   # out (B, H, T, hd) read in place
+    norm, gate_up = block._modules["ffn_norm"], block._modules["mlp"]._modules["w_gate_up"]
     rc = _call("block_after",
-        x.data_ptr(), y.data_ptr(), out.data_ptr(), B * T, d, norm._parameters["weight"].data_ptr(), norm.eps,
-        *w[1], out.shape[1], *w[2], block.mlp.w_gate_up.out_features, *w[3], torch.get_num_threads())
+        x.data_ptr(), y.data_ptr(), out.data_ptr(), so[0], so[1], so[2], T, out.shape[3], B * T, d,
+        norm._parameters["weight"].data_ptr(), norm.eps,
+        *w[1], out.shape[1] * out.shape[3], *w[2], gate_up.out_features, *w[3], torch.get_num_threads())
     assert rc == 0, "block_after: shapes past the C code's limits"
     return y
