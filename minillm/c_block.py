@@ -1,10 +1,13 @@
-"""A block's two halves around attention in one C call each, for a decode's few rows (`c_block.c`).
+"""A block's two halves around attention in one C call each, for a decode's few rows (`c_block.c`), or the
+whole block in one call where C can write and read the attention context's cache itself.
 
 `Block.before_attention` (RMSNorm, the Q/K/V product, RoPE) and `Block.after_attention` (the output product,
 the residual, RMSNorm, the SwiGLU MLP, the residual) run about 35 PyTorch operators per layer; for one row
 of activations each does a few microseconds of work and costs a few more to dispatch. Here each half is one
 call into C, with the products of `matvec.c` in each weight's own format. Attention stays in Python, with
-the stage's attention context, so every stage can use it.
+the stage's attention context, so every stage can use it. Where the context is stage 2's contiguous cache
+in float32 with causal SDPA (`CachedAttention.in_place`), `layer` does the whole block, cache write and
+attention included, in one call: about 30 dispatches of Python per layer become one.
 
 A block takes this path when its activations are float32 rows on a CPU, at most `matvec.MAX_ROWS` of them,
 every weight is float32, int8 rows (`Int8Linear`) or Q4_1 blocks (`Q4Linear`), and the products would run
@@ -28,6 +31,7 @@ from . import matvec, native
 
 SOURCE = Path(__file__).with_name("c_block.c")
 PROFILER_NAME = "minillm::c_block"     # what torch.profiler sees: the products, with the norms, RoPE and SiLU
+LAYER_PROFILER_NAME = "minillm::c_layer"   # a whole block: the same, with the cache write and attention
 W_FLOAT32, W_INT8, W_Q4_1 = 0, 2, 3
 _enabled = True
 
@@ -40,14 +44,16 @@ def load_library():
         w = [i32, p, p, p]                                              # a weight: kind and three tensors
         lib.block_before.argtypes = [p, i32, i32, i32, p, f32, *w, i64, p, p, i32, i32, i32, p, i32]
         lib.block_after.argtypes = [p, p, p, i64, i64, i64, i32, i32, i32, i32, p, f32, *w, i32, *w, i64, *w, i32]
-        lib.block_before.restype = lib.block_after.restype = i32
+        lib.block_layer.argtypes = [p, p, i32, i32, i32, p, f32, *w, p, p, i32, i32, i32, i32, p, p, i64, p,
+                                    p, f32, *w, *w, i64, *w, i32]
+        lib.block_before.restype = lib.block_after.restype = lib.block_layer.restype = i32
     return built
 
 
 def _call(name: str, *args) -> int:
     f = getattr(load_library()[0], name)
     if torch.autograd.profiler._is_profiler_enabled:              # seen by torch.profiler as one operator
-        with torch.profiler.record_function(PROFILER_NAME):
+        with torch.profiler.record_function(LAYER_PROFILER_NAME if name == "block_layer" else PROFILER_NAME):
             return f(*args)
     return f(*args)
 
@@ -166,4 +172,33 @@ def after_attention(block, x: torch.Tensor, out: torch.Tensor):
         norm._parameters["weight"].data_ptr(), norm.eps,
         *w[1], out.shape[1] * out.shape[3], *w[2], gate_up.out_features, *w[3], torch.get_num_threads())
     assert rc == 0, "block_after: shapes past the C code's limits"
+    return y
+
+
+def layer(block, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, attn, index: int):
+    """Block.forward in one call, attention included, where the attention context lets C write and read its
+    cache in place (`attn.in_place(index)`: a contiguous float32 cache, causal attention by SDPA): x (B, T, d)
+    -> the block's output (B, T, d); None where the block or the context does not take this path."""
+    in_place = getattr(attn, "in_place", None)
+    cache = in_place(index) if in_place is not None else None
+    if cache is None:
+        return None
+    w = _weights(block, x)
+    if w is None:
+        return None
+    kc, vc, starts = cache                                            # (B, n_kv, max_len, hd) x 2, (B,) int64
+    a, n1, n2, (B, T, d) = block._modules["attn"], block._modules["attn_norm"], block._modules["ffn_norm"], x.shape
+    H, n_kv, hd = a.n_heads, a.n_kv, a.hd
+    if kc.shape[0] != B or kc.shape[-1] != hd or hd % 16 or hd > 256:
+        return None
+    x, y = x.contiguous(), torch.empty(B, T, d)
+    if cos.dim() != 2:
+        cos, sin = cos.reshape(-1, hd), sin.reshape(-1, hd)       # (B, 1, T, hd) -> (B T, hd)
+    cos, sin = cos.contiguous(), sin.contiguous()
+    rc = _call("block_layer",
+        x.data_ptr(), y.data_ptr(), B * T, T, d, n1._parameters["weight"].data_ptr(), n1.eps, *w[0],
+        cos.data_ptr(), sin.data_ptr(), cos.shape[0], H, n_kv, hd, kc.data_ptr(), vc.data_ptr(), kc.shape[2],
+        starts.data_ptr(), n2._parameters["weight"].data_ptr(), n2.eps, *w[1], *w[2],
+        block._modules["mlp"]._modules["w_gate_up"].out_features, *w[3], torch.get_num_threads())
+    assert rc == 0, "block_layer: shapes past the C code's limits"
     return y

@@ -124,6 +124,9 @@ class Block(nn.Module):
         self.mlp = MLP(cfg)
 
     def forward(self, x, cos, sin, attn, layer=0):
+        fused = c_block.layer(self, x, cos, sin, attn, layer)          # a decode's few rows, a cache C can read
+        if fused is not None:
+            return fused
         q, k, v = self.before_attention(x, cos, sin)
         return self.after_attention(x, attn.attend(layer, q, k, v))
 

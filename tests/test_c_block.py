@@ -1,6 +1,7 @@
-"""A block's two halves in one C call each (`minillm/c_block.py`): the same numbers as the block's own
-PyTorch code for every weight format it takes, the cases it leaves to PyTorch, and the 4-bit file's greedy
-tokens equal to the same weights' float32 arithmetic."""
+"""A block's two halves in one C call each, and the whole block with attention over a contiguous cache
+(`minillm/c_block.py`): the same numbers as the block's own PyTorch code for every weight format it takes,
+the cases it leaves to PyTorch, and the 4-bit file's greedy tokens equal to the same weights' float32
+arithmetic."""
 import copy
 
 import pytest
@@ -9,7 +10,10 @@ import torch
 from minillm import c_block, matvec
 from minillm.config import ModelConfig
 from minillm.model import Linear, Transformer, rope_tables
+from minillm.attention import naive_attention
+from minillm.kv import CachedAttention, KVCache
 from minillm.quant.apply import LINEARS, quantize_model
+from minillm.stages import KVCacheRunner
 
 needs_c = pytest.mark.skipif(c_block.load_library() is None, reason="no C compiler builds the block here")
 CFG = ModelConfig(n_layers=2, d_model=128, n_heads=4, n_kv_heads=2, head_dim=32, ffn_dim=96, vocab_size=256)
@@ -79,6 +83,51 @@ def test_a_replaced_weight_is_described_again():
         block.attn.wqkv.weight = torch.nn.Parameter(block.attn.wqkv.weight * 2, requires_grad=False)
         after = c_block.before_attention(block, x, cos, sin)[0]
     torch.testing.assert_close(after, 2 * before, rtol=1e-5, atol=1e-5)                # RoPE is linear
+
+
+@needs_c
+@pytest.mark.parametrize("quant", [None, "int8", "q4"])
+@pytest.mark.parametrize("B, T", [(1, 1), (1, 3), (3, 1), (2, 4)])
+@torch.inference_mode()
+def test_the_whole_block_matches_pytorch_and_fills_the_same_cache(quant, B, T, monkeypatch):
+    """A step of T tokens after a prompt of 6 (1 x 6 rows: C from the prompt on): the logits, and every K
+    and V the cache holds, as PyTorch's blocks with SDPA give them."""
+    m = tiny(quant)
+    g = torch.Generator().manual_seed(B * 10 + T)
+    prompt, new = torch.randint(0, 256, (B, 6), generator=g).tolist(), torch.randint(0, 256, (B, T), generator=g)
+    calls = []
+    monkeypatch.setattr(c_block, "_call", lambda name, *a, real=c_block._call: calls.append(name) or real(name, *a))
+    got = {}
+    for on in (True, False):
+        runner = KVCacheRunner(m, max_len=16)
+        with matvec.using("c"), c_block.using(on):
+            runner.prefill_batch(prompt)
+            got[on] = (runner._forward(new), runner.cache.k.clone(), runner.cache.v.clone())
+    assert calls.count("block_layer") == CFG.n_layers * (1 + (B == 1))      # this step, and a 1 x 6 prompt
+    for a, b in zip(got[True], got[False]):
+        torch.testing.assert_close(a, b, rtol=1e-4, atol=1e-4)
+
+
+@needs_c
+@torch.inference_mode()
+def test_attention_it_leaves_to_pytorch():
+    """The whole block takes only a context whose attention is causal SDPA over a plain float32 cache."""
+    m = tiny(None)
+    cache = KVCache(CFG, batch=2, max_len=16)
+    cache.begin(1)
+    assert CachedAttention(cache, torch.nn.functional.scaled_dot_product_attention).in_place(0) is None
+    assert CachedAttention(cache, naive_attention).in_place(0) is None                  # another attention
+    from minillm.attention import sdpa_attention
+    assert CachedAttention(cache, sdpa_attention).in_place(0) is not None
+    assert CachedAttention(cache, sdpa_attention, mask=torch.ones(2, 1, 1, 1, dtype=torch.bool)).in_place(0) is None
+    int8 = KVCache(CFG, batch=2, max_len=16, kv_dtype="int8")
+    int8.begin(1)
+    assert int8.in_place(0) is None                                                    # quantized K/V
+    bf16 = KVCache(CFG, batch=2, max_len=16, dtype=torch.bfloat16)
+    bf16.begin(1)
+    assert bf16.in_place(0) is None
+    x, cos, sin, _ = inputs(3, 1)                                                      # 3 sequences, cache of 2
+    assert c_block.layer(m.layers[0], x, cos, sin, CachedAttention(cache, sdpa_attention), 0) is None
 
 
 def as_float32(model):

@@ -22,7 +22,7 @@ from __future__ import annotations
 
 import torch
 
-from ..attention import mask_from_positions
+from ..attention import mask_from_positions, sdpa_attention
 from ..config import ModelConfig
 from .quantized import QuantizedKV, kv_bytes_per_value, kv_tensors
 
@@ -45,6 +45,7 @@ class KVCache:
         self.max_len = max_len
         self.lengths = [0] * batch   # tokens stored per sequence
         self._starts: list[int] = []  # where this step writes, per sequence
+        self._starts_t: torch.Tensor | None = None   # the same, as a tensor (for `in_place`)
         self._T = 0
 
     @property
@@ -61,7 +62,7 @@ class KVCache:
         self._end = end = max(self._starts) + T
         if end > self.max_len:
             raise ValueError(f"KV cache full: {end} tokens needed, {self.max_len} allocated")
-        starts = torch.tensor(self._starts, device=self.k.device)
+        self._starts_t = starts = torch.tensor(self._starts, device=self.k.device)     # (B,) int64
         positions = starts[:, None] + torch.arange(T, device=self.k.device)  # (B, T)
         return positions, None if self._uniform else mask_from_positions(positions, end)
 
@@ -81,6 +82,16 @@ class KVCache:
         if isinstance(k, QuantizedKV):   # attention reads them back in the model's dtype
             return k.dequantize(), v.dequantize()
         return k, v
+
+    def in_place(self, layer: int) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor] | None:
+        """(K, V, starts) of `layer` for code that writes this step's K/V and attends in place (`c_block.py`):
+        the layer's cache (B, n_kv, max_len, hd) and each sequence's first new slot (B,) int64; None where
+        the cache is not plain float32 on the CPU (quantized, bfloat16, a GPU's)."""
+        k, v = self._layers[layer]
+        if self._starts_t is None or not isinstance(k, torch.Tensor) or isinstance(k, QuantizedKV) or k.dtype != torch.float32 \
+                or k.device.type != "cpu":
+            return None
+        return k, v, self._starts_t
 
     def commit(self, new_tokens: list[int] | None = None) -> None:
         """After the forward pass: each sequence now holds `new_tokens[b]` more tokens
@@ -107,3 +118,11 @@ class CachedAttention:
     def attend(self, layer: int, q, k, v):
         k, v = self.cache.update(layer, k, v)                           # (B, n_kv, S, hd)
         return self.attn_fn(q, k, v, self.mask)                         # (B, H, T, hd)
+
+    def in_place(self, layer: int):
+        """The cache of `layer` for a block that stores and attends in C (`c_block.layer`), where that is the
+        same computation as `attend`: causal SDPA, no mask of its own (sequences of one length), a float32
+        cache. None otherwise."""
+        if self.mask is not None or self.attn_fn is not sdpa_attention:
+            return None
+        return self.cache.in_place(layer)
