@@ -81,7 +81,8 @@ rows_of(const float *x, const char *w, const float *scale, char *y, int m, int64
             for (int i = 0; i < m; i++) acc[i][0] += wv * floats16(x + ((int64_t)i * KV + c) * 16);
         }
         float s = kind == 2 ? scale[r0 + r] : 1.0f;
-        for (int i = 0; i < m; i++) store_float(y, (int64_t)i * N + r0 + r, hsum(acc[i][0] + acc[i][1]) * s, bf16_out);
+        for (int i = 0; i < m; i++)
+            store_float(y, (int64_t)i * N + r0 + r, hsum(acc[i][0] + acc[i][1]) * s, bf16_out);
     }
 }
 
@@ -173,17 +174,13 @@ int matvec_q4_1(const void *x, const uint8_t *codes, const uint16_t *d, const ui
                 int64_t N, int K, int bf16, int threads) {
     if (m < 1 || m > MAX_M || K % 32 != 0 || N % 16 != 0 || K > 32 * MAX_GROUPS) return -1;
     int G = K / 32;
-    const int es = bf16 ? 2 : 4;
-    float xsum[MAX_M * MAX_GROUPS];
-    float *xf = malloc(sizeof(float) * m * K);                  /* x in float32 */
+    float xsum[MAX_M * MAX_GROUPS];                              /* each block's sum of x, for the m term */
+    float *xf = float_rows(x, m, K, bf16);
     if (!xf) return -1;
     for (int i = 0; i < m; i++)
         for (int g = 0; g < G; g++) {
-            const char *xg = (const char *)x + ((int64_t)i * G + g) * 32 * es;
-            vec lo = load_vec(xg, bf16), hi = load_vec(xg + 16 * es, bf16);
-            memcpy(xf + (int64_t)i * K + g * 32, &lo, 64);
-            memcpy(xf + (int64_t)i * K + g * 32 + 16, &hi, 64);
-            xsum[i * G + g] = hsum(lo + hi);
+            const float *xg = xf + (int64_t)i * K + g * 32;
+            xsum[i * G + g] = hsum(floats16(xg) + floats16(xg + 16));
         }
     #pragma omp parallel for schedule(static) num_threads(threads)
     for (int64_t t = 0; t < N / 16; t++) {

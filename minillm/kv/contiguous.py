@@ -88,8 +88,8 @@ class KVCache:
         the layer's cache (B, n_kv, max_len, hd) and each sequence's first new slot (B,) int64; None where
         the cache is not plain float32 on the CPU (quantized, bfloat16, a GPU's)."""
         k, v = self._layers[layer]
-        if self._starts_t is None or not isinstance(k, torch.Tensor) or isinstance(k, QuantizedKV) or k.dtype != torch.float32 \
-                or k.device.type != "cpu":
+        plain = isinstance(k, torch.Tensor) and not isinstance(k, QuantizedKV)
+        if self._starts_t is None or not plain or k.dtype != torch.float32 or k.device.type != "cpu":
             return None
         return k, v, self._starts_t
 
