@@ -8,7 +8,8 @@ the C loop reads each weight row once from start to end. Which of the two a proc
 measurement, once per dtype, the first time it is asked: both multiply one row, then eight, by 80 MB of
 weights shaped like the course model's, taking turns, and the C loop is used only where it is faster by more
 than 5%: up to 8 rows if it wins at 8, else up to 4 if it wins at 1 (`choice()` says what was measured).
-Everything else (more rows, other dtypes, another device, autograd, torch.compile) goes to F.linear.
+Everything else (more rows, other dtypes, another device, autograd, torch.compile) goes to F.linear, or,
+for many rows, to the weight's oneDNN packing where an engine made one (`packed.py`).
 
     with matvec.using("torch"): ...     force one side ("c", "torch", or "auto"), to compare them
 """
@@ -24,7 +25,7 @@ from pathlib import Path
 import torch
 import torch.nn.functional as F
 
-from . import native
+from . import native, packed
 
 SOURCE = Path(__file__).with_name("matvec.c")
 MAX_ROWS = 8                                   # the C file's MAX_M: a few decodes, or one with its drafts
@@ -171,4 +172,5 @@ def linear(x: torch.Tensor, w: torch.Tensor) -> torch.Tensor:
             and w.is_contiguous() and not torch.compiler.is_compiling()
             and not (torch.is_grad_enabled() and w.requires_grad) and _use_c(w.dtype, rows)):
         return matvec(x.reshape(rows, -1).contiguous(), w).view(*x.shape[:-1], w.shape[0])
-    return F.linear(x, w)
+    out = packed.linear(x, w) if packed._packs else None               # many rows: the engine's packed weights
+    return F.linear(x, w) if out is None else out

@@ -111,6 +111,9 @@ def build_parser() -> argparse.ArgumentParser:
     se.add_argument("--kv-cache-memory", type=float, default=1.0, metavar="GIB", help="KV cache size (default 1 GiB)")
     se.add_argument("--max-model-len", type=int, default=None, help="context per request (default: the model's)")
     se.add_argument("--no-prefix-caching", action="store_true", help="turn the prefix cache off")
+    se.add_argument("--no-pack-weights", action="store_true",
+                    help="on a CPU, no second copy of the float weights prepacked for big steps (by default "
+                         "made where it measures faster: minillm/packed.py)")
     se.add_argument("--max-queued-requests", type=int, default=None,
                     help="answer 503 when this many requests are already waiting (default: no limit)")
     se.add_argument("--max-tokens-default", type=int, default=1024,

@@ -56,7 +56,7 @@ def cmd_serve(args) -> None:
                 enable_prefix_caching=not args.no_prefix_caching, speculative=args.speculative,
                 num_speculative_tokens=args.num_speculative_tokens, kv_cache_dtype=args.kv_cache_dtype,
                 enforce_eager=args.enforce_eager, adaptive_speculation=args.adaptive_speculation,
-                attention=args.attention)
+                attention=args.attention, pack_weights=not args.no_pack_weights)
         except ValueError as e:   # e.g. --attention cpu where no compiler builds its kernel
             fail(str(e))
     names = list(engines)

@@ -6,8 +6,8 @@ and Python (the interpreter between operators: the runner's packing, the schedul
 
 torch.profiler records every operator with its own ("self") time. An operator counts as attention when
 it is SDPA or runs inside it, the C paged kernel (`minillm::paged_attention_cpu`), or gathers pages (an
-`index_select` outside the embedding); as a matrix
-product when it is one (mm, addmm, bmm, the 4- and 8-bit kernels, fbgemm's linear, `minillm::matvec`, and
+`index_select` outside the embedding); as a matrix product when it is one (mm, addmm, bmm, the 4- and
+8-bit kernels, fbgemm's linear, oneDNN's packed `_linear_pointwise`, `minillm::matvec`, and
 `minillm::c_block`: a block half in C, its products with the norm, RoPE or SiLU around them, and
 `minillm::c_layer`: a whole block in C, the same with the cache write and attention, which at a decode's
 short contexts is a small part of it); as other otherwise
@@ -28,7 +28,8 @@ from ..model import weight_bytes
 from .timing import _quiet_stderr
 
 MATMUL = re.compile(r"(^|::|_)(mm|addmm|bmm|baddbmm|matmul|linear|linear_dynamic|fbgemm_linear\w*|"
-                    r"_weight_int4pack_mm\w*|_weight_int8pack_mm\w*|linear_prepack\w*|matvec|c_block|c_layer)$")
+                    r"_weight_int4pack_mm\w*|_weight_int8pack_mm\w*|linear_prepack\w*|_linear_pointwise|"
+                    r"matvec|c_block|c_layer)$")
 ATTENTION = re.compile(r"scaled_dot_product|flash_attention|flex_attention|paged_attention_cpu")
 
 
