@@ -68,7 +68,8 @@ def servers(args, hf_dir: Path) -> dict[str, ServerProcess]:
     if tf and not args.no_transformers:
         base = [tf, "serve", str(hf_dir), "--host", "127.0.0.1", "--port", "{port}", "--device", "cpu",
                 "--dtype", "float32"]
-        out["transformers serve"] = ServerProcess(base, ready="/v1/models", env={"OMP_NUM_THREADS": threads})
+        if not args.no_plain_transformers:
+            out["transformers serve"] = ServerProcess(base, ready="/v1/models", env={"OMP_NUM_THREADS": threads})
         out["transformers serve --continuous-batching"] = ServerProcess(base + ["--continuous-batching"],
                                                                         ready="/v1/models",
                                                                         env={"OMP_NUM_THREADS": threads})
@@ -88,6 +89,8 @@ def main():
     ap.add_argument("--threads", type=int, default=2)
     ap.add_argument("--peer-python", default=None, help="a Python with llama-cpp-python[server] (adds llama.cpp)")
     ap.add_argument("--no-transformers", action="store_true")
+    ap.add_argument("--no-plain-transformers", action="store_true",
+                    help="only `transformers serve --continuous-batching` (the plain one is slow at every rate)")
     ap.add_argument("--timeout", type=float, default=400.0, help="seconds per run before giving up")
     ap.add_argument("--workload", default=str(ROOT / "data" / "chat_workload.jsonl"))
     ap.add_argument("--out", default=str(Path(__file__).parent / "results" / "cpu_serving.json"))

@@ -9,7 +9,9 @@ within its bound:
   product (`speed_vs_torch_matmul`); where its blocks take the C path (`minillm/c_block.py`, float32
   activations), again with the C products but the block as PyTorch operators (`speed_vs_pytorch_block`);
 - the bytes a decode step must read (every weight once and the prompt's K/V), the tokens/s the machine's
-  measured copy bandwidth allows at that (the floor), and the fraction of it achieved;
+  measured copy bandwidth allows at that (the floor), and the fraction of it achieved: the bandwidth is
+  measured in every round (on a shared virtual machine it moves by tens of percent from minute to minute),
+  and the fraction is the median of each round's speed against that round's floor;
 - one decode step split four ways (`minillm/course/step_profile.py`): matrix products, attention, the rest of
   the operators (norms, RoPE, SiLU, dtype conversions, K/V writes), and Python between them; the number of
   operators Python calls per step.
@@ -17,8 +19,10 @@ Then the engine (float32 weights): 64 requests with ~200-token prompts, once all
 step split the same four ways, its FLOPs against the measured matmul rate, and the engine's own share of it:
 the step's time outside the model's forward pass (scheduling, packing the batch, sampling, outputs). This is
 done for the cpu attention backend (the C kernel reads pages in place; `engine`) and the torch backend
-(pages gathered for SDPA; `engine.torch_split`), and the two engines also take turns step by step for a
-side-by-side step time (`engine.by_attention`).
+(pages gathered for SDPA; `engine.torch_split`), both with the weights packed for oneDNN as `serve` packs
+them (`minillm/packed.py`; `engine.packed_weights` is its race, `engine.unpacked_split` the cpu backend's
+step before packing), and the two engines also take turns step by step for a side-by-side step time
+(`engine.by_attention`).
 With `--peer-python PY` (a Python with llama-cpp-python), llama.cpp's single-stream decode on the same GGUF
 file takes its turn in every round (the script of `quantization.py`; `speed_vs_llama_cpp` per format).
 
@@ -43,7 +47,7 @@ from minillm.course.roofline import forward_flops, measure_copy_bandwidth, measu
 from minillm.course.step_profile import bytes_per_token, step_split
 import torch
 
-from minillm import c_block, matvec
+from minillm import c_block, matvec, packed
 from minillm.attention import cpu_kernel
 from minillm.engine import LLMEngine
 from minillm.generate import generate
@@ -179,7 +183,9 @@ def main() -> None:
             models[name] = m
         else:
             print(refusal(q), file=sys.stderr)
-    copy_bw, matmul_rate = measure_copy_bandwidth(), measure_matmul_flops()
+    # the machine's copy bandwidth and matmul rate, measured in every round with the formats: on a shared
+    # virtual machine they move from minute to minute, so each round's speeds meet that round's floor
+    bandwidths, matmul_rates = [], []
     speeds = {name: [] for name in models}
     # each format once more with torch's own kernel for every product (`minillm/matvec.py` and the quantized
     # layers send a decode's few rows through C loops where this machine measured them faster), and float32
@@ -207,6 +213,10 @@ def main() -> None:
             tps = json.loads(peer.stdout.readline())["decode_tokens_per_s"]
             if rnd:
                 speeds["llama.cpp"].append(tps)
+        if rnd:
+            bandwidths.append(measure_copy_bandwidth(repeats=3))
+            matmul_rates.append(measure_matmul_flops(repeats=3))
+    copy_bw, matmul_rate = statistics.median(bandwidths), statistics.median(matmul_rates)
     results = []
     for name, m in tqdm(models.items(), desc="profile", file=sys.stderr):
         tps = statistics.median(speeds[name])
@@ -215,7 +225,8 @@ def main() -> None:
         split = decode_split(m, ids, args.repeats)
         results.append({"format": name, "decode_tokens_per_s": tps, "runs": speeds[name],
                         "weight_bytes": weight_bytes(m), "bytes_per_token": nbytes,
-                        "floor_tokens_per_s": floor, "fraction_of_floor": tps / floor,
+                        "floor_tokens_per_s": floor,                  # each round against its own floor
+                        "fraction_of_floor": statistics.median(t * nbytes / bw for t, bw in zip(speeds[name], bandwidths)),
                         "kl": gate[name]["kl"] if gate[name] else 0.0, "step": split})
         for suffix, key in ((TORCH, "torch_matmul"), (PYTORCH_BLOCK, "pytorch_block")):
             if name + suffix in speeds:
@@ -228,13 +239,19 @@ def main() -> None:
                 a / b for a, b in zip(speeds[name], speeds["llama.cpp"]))
     llama = {"decode_tokens_per_s": statistics.median(speeds["llama.cpp"]), "runs": speeds["llama.cpp"]} if peer else None
     backends = ["cpu", "torch"] if cpu_kernel.available() else ["torch"]
-    busy = {b: decoding_engine(base, tok, attention=b) for b in backends}     # each built once, used twice
+    busy = {b: decoding_engine(base, tok, attention=b) for b in backends}     # each built once, used thrice
+    unpacked = engine_split(base, busy[backends[0]])              # F.linear for the batch's products
+    race = packed.pack_model(base)                                # as `serve` does: oneDNN's packed weights
     splits = {b: engine_split(base, e) for b, e in busy.items()}
-    for e in splits.values():
+    for e in [*splits.values(), unpacked]:
         e["fraction_of_matmul_rate"] = e["step_flops"] / (e["wall_ms"] / 1e3) / matmul_rate
     engine = splits[backends[0]] | {"by_attention": alternated_steps(busy, args.rounds)}
     engine["torch_split"] = splits["torch"] if "cpu" in splits else None
+    engine["packed_weights"] = race
+    engine["unpacked_split"] = unpacked
+    packed.unpack_model(base)
     print(json.dumps({"machine": machine_info(), "copy_bytes_per_s": copy_bw, "matmul_flops_per_s": matmul_rate,
+                      "copy_bytes_per_s_runs": bandwidths, "matmul_flops_per_s_runs": matmul_rates,
                       "matvec_choice": {str(d).removeprefix("torch."): matvec.choice(d) for d in matvec.DTYPES},
                       "c_loops": {name: m.c_loops for name, m in models.items() if m.c_loops},
                       "prompt_tokens": len(ids), "rounds": args.rounds,
