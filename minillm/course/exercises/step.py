@@ -1,4 +1,4 @@
-"""Notebook 14: RoPE in three operators, and splitting a step's profile four ways."""
+"""Notebook 14: RoPE without chunk or cat, and splitting a step's profile four ways."""
 from __future__ import annotations
 
 import torch
