@@ -11,6 +11,7 @@ does by default) and the notebooks, which hold several models at once, do not.
 
     race = pack_model(model)      time F.linear against packed weights on the model's own layers at 64 rows,
                                   taking turns; where packed wins by more than 5%, pack every float weight
+                                  (of a dtype oneDNN packs on this CPU: `packs(dtype)`)
     linear(x, w)                  the packed product of x and w, or None where w has no (current) packing
     unpack_model(model)           drop them again
 
@@ -21,6 +22,7 @@ from __future__ import annotations
 import statistics
 import time
 import weakref
+from functools import lru_cache
 
 import torch
 import torch.nn.functional as F
@@ -35,6 +37,19 @@ def available() -> bool:
     ops = torch.ops.mkldnn
     return (torch.backends.mkldnn.is_available() and hasattr(ops, "_reorder_linear_weight")
             and hasattr(ops, "_linear_pointwise"))
+
+
+@lru_cache(maxsize=None)
+def packs(dtype: torch.dtype) -> bool:
+    """Whether oneDNN packs and multiplies weights of this dtype on this CPU. Its bfloat16 path needs
+    AVX-512 (BW, VL, DQ) or AVX-NE-CONVERT: on an AVX2-only CPU it refuses, and the weights stay plain."""
+    if not available() or dtype not in DTYPES:
+        return False
+    w, x = torch.ones(16, 16, dtype=dtype), torch.ones(9, 16, dtype=dtype)
+    try:
+        return bool(torch.equal(product(x, pack(w)), F.linear(x, w)))
+    except RuntimeError:
+        return False
 
 
 def pack(w: torch.Tensor) -> torch.Tensor:
@@ -73,12 +88,13 @@ def linear(x: torch.Tensor, w: torch.Tensor) -> torch.Tensor | None:
 
 
 def float_weights(model) -> list[torch.Tensor]:
-    """The model's plain float weights that go through `matvec.linear`: its Linear layers and the tied head."""
+    """The model's plain float weights that go through `matvec.linear` (its Linear layers and the tied head), in
+    a dtype oneDNN packs on this CPU."""
     from .model import Linear
     ws = [m.weight for m in model.modules() if type(m) is Linear and m.bias is None]
     if "lm_head" not in model._modules:
         ws.append(model.tok_emb.weight)
-    return [w for w in ws if w.dtype in DTYPES and w.device.type == "cpu" and w.dim() == 2 and not w.is_inference()]
+    return [w for w in ws if packs(w.dtype) and w.device.type == "cpu" and w.dim() == 2 and not w.is_inference()]
 
 
 def race(weights: list[torch.Tensor], rows: int = 64, rounds: int = 5) -> dict:
@@ -105,7 +121,7 @@ def race(weights: list[torch.Tensor], rows: int = 64, rounds: int = 5) -> dict:
 def pack_model(model, force: bool = False) -> dict | None:
     """Pack the model's float weights where packed products measured faster at 64 rows, or whatever was
     measured with `force` (the result is kept in `model.packed`); None where oneDNN is missing or the model
-    has no float weights on the CPU."""
+    has no float weights on the CPU that it packs here (bfloat16 ones on an AVX2-only CPU)."""
     weights = float_weights(model)
     if not available() or not weights:
         return None

@@ -18,6 +18,8 @@ needs_onednn = pytest.mark.skipif(not packed.available(), reason="this PyTorch h
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
 @pytest.mark.parametrize("x_shape, w_shape", [((9, 64), (48, 64)), ((64, 576), (960, 576)), ((2, 7, 80), (33, 80))])
 def test_packed_products_match_f_linear(dtype, x_shape, w_shape):
+    if not packed.packs(dtype):
+        pytest.skip(f"oneDNN does not pack {dtype} on this CPU (its bfloat16 path needs AVX-512 or AVX-NE-CONVERT)")
     g = torch.Generator().manual_seed(0)
     x, w = torch.randn(*x_shape, generator=g).to(dtype), torch.randn(*w_shape, generator=g).to(dtype)
     got = packed.product(x, packed.pack(w))
@@ -91,3 +93,24 @@ def test_an_engine_with_packed_weights_gives_the_naive_tokens(model, tokenizer):
             assert outs[i] == outs[i + 6] == generate(model, tokenizer, p, params, stage="naive").token_ids
     finally:
         packed.unpack_model(model)
+
+
+def test_weights_of_a_dtype_this_cpu_cannot_pack_stay_plain(monkeypatch):
+    """oneDNN refuses bfloat16 weights on an AVX2-only CPU: a bfloat16 model is then left as it is (and serves
+    through F.linear), never an error. Pretended here on any CPU, then checked for real on this one."""
+    torch.manual_seed(0)
+    m = Transformer(ModelConfig(n_layers=1, d_model=64, n_heads=4, n_kv_heads=2, head_dim=16, ffn_dim=96,
+                                vocab_size=128)).eval().requires_grad_(False).to(torch.bfloat16)
+    monkeypatch.setattr(packed, "packs", lambda dtype: dtype == torch.float32)
+    assert packed.float_weights(m) == [] and packed.pack_model(m, force=True) is None
+    assert "packed" not in m.__dict__
+    monkeypatch.undo()
+    result = packed.pack_model(m, force=True)
+    try:
+        assert (result is not None) == packed.packs(torch.bfloat16)
+        x = torch.randn(16, 64, dtype=torch.bfloat16)
+        w = m.layers[0].attn.wqkv.weight
+        got = packed.linear(x, w)
+        assert (got is not None) == packed.packs(torch.bfloat16)
+    finally:
+        packed.unpack_model(m)
