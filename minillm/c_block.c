@@ -20,7 +20,7 @@
 #include "matvec.c"
 
 enum { W_FLOAT32 = 0, W_INT8 = 2, W_Q4_1 = 3 };
-#define MAX_HEAD_VECS 16   /* head_dim up to 256 */
+#define MAX_HEAD_VECS (256 / VL)   /* head_dim up to 256 */
 
 typedef struct {          /* one weight (N, K) in its format; a, b, c are its tensors' data */
     int kind;
@@ -125,7 +125,7 @@ done:
    softmax(q.k / sqrt(hd)) over the slots, in two passes: the scores and their maximum, then exp and V. */
 static int cache_attend(const float *qkv, float *kc, float *vc, int64_t max_len, const int64_t *starts,
                         int B, int T, int H, int n_kv, int hd, float *out, int threads) {
-    const int heads = H + 2 * n_kv, HV = hd / 16;
+    const int heads = H + 2 * n_kv, HV = hd / VL;
     int64_t longest = 0;
     for (int b = 0; b < B; b++) {
         if (starts[b] < 0 || starts[b] + T > max_len) return -1;
@@ -151,7 +151,7 @@ static int cache_attend(const float *qkv, float *kc, float *vc, int64_t max_len,
             float top = -INFINITY, total = 0.0f;
             for (int64_t j = 0; j < S; j++) {                          /* scores */
                 vec acc = {0};
-                for (int c = 0; c < HV; c++) acc += floats16(q + c * 16) * floats16(K + j * hd + c * 16);
+                for (int c = 0; c < HV; c++) acc += floats_at(q + c * VL) * floats_at(K + j * hd + c * VL);
                 p[j] = hsum(acc) * scale;
                 top = p[j] > top ? p[j] : top;
             }
@@ -159,12 +159,12 @@ static int cache_attend(const float *qkv, float *kc, float *vc, int64_t max_len,
             for (int64_t j = 0; j < S; j++) {                          /* weights, and the sum of V they weigh */
                 float e = expf(p[j] - top);
                 total += e;
-                for (int c = 0; c < HV; c++) o[c] += floats16(V + j * hd + c * 16) * e;
+                for (int c = 0; c < HV; c++) o[c] += floats_at(V + j * hd + c * VL) * e;
             }
             float *dst = out + (((int64_t)b * H + h) * T + t) * hd;
             for (int c = 0; c < HV; c++) {
                 vec r = o[c] / total;
-                memcpy(dst + c * 16, &r, 64);
+                memcpy(dst + c * VL, &r, sizeof r);
             }
         }
         free(p);
@@ -182,7 +182,7 @@ int block_layer(const float *x, float *y, int m, int T, int d, const float *gain
                 int ko, const void *oa, const void *ob, const void *oc,
                 int kg, const void *ga, const void *gb, const void *gc, int64_t ffn2,
                 int kd, const void *da, const void *db, const void *dc, int threads) {
-    if (m < 1 || m > MAX_M || T < 1 || m % T || hd % 16 || hd > 16 * MAX_HEAD_VECS || H % n_kv) return -1;
+    if (m < 1 || m > MAX_M || T < 1 || m % T || hd % 16 || hd > VL * MAX_HEAD_VECS || H % n_kv) return -1;
     const int B = m / T;
     const int64_t N = (int64_t)(H + 2 * n_kv) * hd;
     float *qkv = malloc(sizeof(float) * m * (N + (int64_t)H * hd));

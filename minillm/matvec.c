@@ -4,10 +4,9 @@
    A general matrix-multiply library tiles for reuse that one row does not have, and on some CPUs its
    one-row path streams at a fraction of the machine's copy bandwidth (notebook 14 measures it). This loop
    does the obvious thing: each thread takes a slice of W's rows, reads each weight row once from start to
-   end, and multiplies it with every row of x while it is in cache. Four weight rows go together, so each
-   piece of x loaded serves four of them.
+   end, and multiplies it with every row of x while it is in cache.
 
-   `vec` (vec16.h) is 16 floats handled as one value, compiled to this CPU's vector instructions. x and y
+   `vec` (vec.h) is VL floats handled as one value, one register of this CPU (VL = 16, 8 or 4). x and y
    are float32 or bfloat16 (widened to float32 as they are read); sums are float32. W is one of
      matvec        float32 or bfloat16, x's dtype
      matvec_int8   int8 codes with one float32 scale per row: w = q * scale (the quantized output head)
@@ -16,7 +15,7 @@
                    Codes widen to floats in registers; no bfloat16 round trip.
    K must be a multiple of 16 (of 32 for Q4_1). Built at first use by `native.py`. */
 #include <stdlib.h>
-#include "vec16.h"
+#include "vec.h"
 
 #define ROWS 4       /* weight rows a thread takes at a time */
 #define MAX_M 8      /* rows of x per call */
@@ -40,26 +39,20 @@ static inline float half_to_float(uint16_t h) {            /* IEEE float16 -> fl
 static float *float_rows(const void *x, int m, int K, int bf16) {
     float *xf = malloc(sizeof(float) * m * K);
     if (xf)
-        for (int64_t j = 0; j < (int64_t)m * K; j += 16) {
+        for (int64_t j = 0; j < (int64_t)m * K; j += VL) {
             vec v = load_vec((const char *)x + j * (bf16 ? 2 : 4), bf16);
-            memcpy(xf + j, &v, 64);
+            memcpy(xf + j, &v, sizeof v);
         }
     return xf;
 }
 
 /* Weight rows [r0, r0 + n) against the m rows of x, one row at a time, each read from start to end (K = KV
-   * 16). Reading four rows side by side, a column of 16 from each in turn, streamed at half the speed on an
+   * VL). Reading four rows side by side, a column of 16 from each in turn, streamed at half the speed on an
    AVX-512 EPYC: memory serves one long run better than four short interleaved ones. Two sums per row of x
    keep two chains of additions going. `kind` 0: float32 W, 1: bfloat16 W, 2: int8 W times scale[row]. */
-static inline vec floats16(const float *p) {
-    vec v;
-    memcpy(&v, p, 64);
-    return v;
-}
-
-static inline __attribute__((always_inline)) vec weights16(const char *row, int c, int kind) {   /* column c */
-    if (kind == 2) return __builtin_convertvector(load_i8(row + c * 16), vec);
-    return load_vec(row + c * 16 * (kind == 0 ? 4 : 2), kind);
+static inline __attribute__((always_inline)) vec weights_at(const char *row, int c, int kind) {   /* column c */
+    if (kind == 2) return __builtin_convertvector(load_i8(row + c * VL), vec);
+    return load_vec(row + c * VL * (kind == 0 ? 4 : 2), kind);
 }
 
 static inline __attribute__((always_inline)) void
@@ -67,18 +60,18 @@ rows_of(const float *x, const char *w, const float *scale, char *y, int m, int64
         int n, int kind, int bf16_out) {
     const int es = kind == 0 ? 4 : kind == 1 ? 2 : 1;
     for (int r = 0; r < n; r++) {
-        const char *p = w + (r0 + r) * (int64_t)KV * 16 * es;
+        const char *p = w + (r0 + r) * (int64_t)KV * VL * es;
         vec acc[MAX_M][2];
         for (int i = 0; i < m; i++) acc[i][0] = acc[i][1] = (vec){0};
         int c = 0;
         for (; c + 2 <= KV; c += 2)
             for (int h = 0; h < 2; h++) {
-                vec wv = weights16(p, c + h, kind);
-                for (int i = 0; i < m; i++) acc[i][h] += wv * floats16(x + ((int64_t)i * KV + c + h) * 16);
+                vec wv = weights_at(p, c + h, kind);
+                for (int i = 0; i < m; i++) acc[i][h] += wv * floats_at(x + ((int64_t)i * KV + c + h) * VL);
             }
         if (c < KV) {
-            vec wv = weights16(p, c, kind);
-            for (int i = 0; i < m; i++) acc[i][0] += wv * floats16(x + ((int64_t)i * KV + c) * 16);
+            vec wv = weights_at(p, c, kind);
+            for (int i = 0; i < m; i++) acc[i][0] += wv * floats_at(x + ((int64_t)i * KV + c) * VL);
         }
         float s = kind == 2 ? scale[r0 + r] : 1.0f;
         for (int i = 0; i < m; i++)
@@ -91,7 +84,7 @@ static int rows_all(const void *x, const void *w, const float *scale, void *y, i
     if (m < 1 || m > MAX_M || K % 16 != 0) return -1;
     float *xf = float_rows(x, m, K, bf16);
     if (!xf) return -1;
-    int KV = K / 16;
+    int KV = K / VL;
     int64_t blocks = (N + ROWS - 1) / ROWS;
     #pragma omp parallel for schedule(static) num_threads(threads)
     for (int64_t b = 0; b < blocks; b++) {
@@ -123,20 +116,23 @@ int matvec_int8(const void *x, const int8_t *w, const float *scale, void *y, int
 
 /* Q4_1 weights as this loop reads them, in tiles of 16 rows (`matvec.q4_tiles` lays them out): for tile t and
    block g, 256 bytes codes[t][g][p][r], row r's weights 2p (low nibble) and 2p + 1 (high nibble) of the block,
-   then d[t][g][r] and m[t][g][r] (float16). One 16-byte load gives two columns of 16 rows: one vector each,
-   multiplied by one number of x. Per block: y_r += d_r (q_r . x) + m_r sum(x), 16 rows at once. */
-static inline vec load_half16(const uint16_t *p) {          /* 16 float16 -> 16 floats */
+   then d[t][g][r] and m[t][g][r] (float16). One 16-byte load gives two columns of 16 rows, TV = 16 / VL
+   vectors each, multiplied by one number of x. Per block: y_r += d_r (q_r . x) + m_r sum(x), 16 rows at once. */
+#define TV (16 / VL)
+
+static inline vec load_halves(const uint16_t *p) {          /* VL float16 -> VL floats */
     vec r;
 #if defined(__AVX512F__)
     __m512 v = _mm512_cvtph_ps(_mm256_loadu_si256((const __m256i *)p));
-    memcpy(&r, &v, 64);
-#elif defined(__F16C__)
-    __m256 a = _mm256_cvtph_ps(_mm_loadu_si128((const __m128i *)p));
-    __m256 b = _mm256_cvtph_ps(_mm_loadu_si128((const __m128i *)(p + 8)));
-    memcpy(&r, &a, 32);
-    memcpy((char *)&r + 32, &b, 32);
+    memcpy(&r, &v, sizeof r);
+#elif defined(__AVX2__) && defined(__F16C__)
+    __m256 v = _mm256_cvtph_ps(_mm_loadu_si128((const __m128i *)p));
+    memcpy(&r, &v, sizeof r);
+#elif VL == 4 && defined(__F16C__)
+    __m128 v = _mm_cvtph_ps(_mm_loadl_epi64((const __m128i *)p));
+    memcpy(&r, &v, sizeof r);
 #else
-    for (int i = 0; i < 16; i++) r[i] = half_to_float(p[i]);
+    for (int i = 0; i < VL; i++) r[i] = half_to_float(p[i]);
 #endif
     return r;
 }
@@ -147,27 +143,33 @@ static inline __attribute__((always_inline)) void
 tile_q4_1(const float *x, const float *xsum, const uint8_t *codes, const uint16_t *d, const uint16_t *mn, char *y,
           int m, int64_t N, int K, int64_t t, int bf16) {
     const int G = K / 32;
-    vec total[MAX_M];
-    for (int i = 0; i < m; i++) total[i] = (vec){0};
+    vec total[MAX_M][TV];
+    for (int i = 0; i < m; i++)
+        for (int h = 0; h < TV; h++) total[i][h] = (vec){0};
     for (int g = 0; g < G; g++) {
         const uint8_t *c = codes + (t * G + g) * 256;
-        vec even[MAX_M], odd[MAX_M];                          /* two sums: two chains of additions */
-        for (int i = 0; i < m; i++) even[i] = odd[i] = (vec){0};
+        vec even[MAX_M][TV], odd[MAX_M][TV];                  /* two sums: two chains of additions */
+        for (int i = 0; i < m; i++)
+            for (int h = 0; h < TV; h++) even[i][h] = odd[i][h] = (vec){0};
         for (int p = 0; p < 16; p++) {
             if (p % 4 == 0) __builtin_prefetch(c + PREFETCH + p * 16);   /* ask for memory ahead of use */
-            ivec v = load_u8(c + p * 16);
-            vec w0 = __builtin_convertvector(v & 15, vec), w1 = __builtin_convertvector(v >> 4, vec);
-            for (int i = 0; i < m; i++) {
-                const float *xi = x + (int64_t)i * K + g * 32 + 2 * p;
-                even[i] += w0 * xi[0];
-                odd[i] += w1 * xi[1];
+            for (int h = 0; h < TV; h++) {                    /* rows h VL .. h VL + VL - 1 of the tile */
+                ivec v = load_u8(c + p * 16 + h * VL);
+                vec w0 = __builtin_convertvector(v & 15, vec), w1 = __builtin_convertvector(v >> 4, vec);
+                for (int i = 0; i < m; i++) {
+                    const float *xi = x + (int64_t)i * K + g * 32 + 2 * p;
+                    even[i][h] += w0 * xi[0];
+                    odd[i][h] += w1 * xi[1];
+                }
             }
         }
-        vec dv = load_half16(d + (t * G + g) * 16), mv = load_half16(mn + (t * G + g) * 16);
-        for (int i = 0; i < m; i++) total[i] += (even[i] + odd[i]) * dv + mv * xsum[i * G + g];
+        for (int h = 0; h < TV; h++) {
+            vec dv = load_halves(d + (t * G + g) * 16 + h * VL), mv = load_halves(mn + (t * G + g) * 16 + h * VL);
+            for (int i = 0; i < m; i++) total[i][h] += (even[i][h] + odd[i][h]) * dv + mv * xsum[i * G + g];
+        }
     }
     for (int i = 0; i < m; i++)
-        for (int r = 0; r < 16; r++) store_float(y, (int64_t)i * N + t * 16 + r, total[i][r], bf16);
+        for (int r = 0; r < 16; r++) store_float(y, (int64_t)i * N + t * 16 + r, total[i][r / VL][r % VL], bf16);
 }
 
 int matvec_q4_1(const void *x, const uint8_t *codes, const uint16_t *d, const uint16_t *mn, void *y, int m,
@@ -180,7 +182,9 @@ int matvec_q4_1(const void *x, const uint8_t *codes, const uint16_t *d, const ui
     for (int i = 0; i < m; i++)
         for (int g = 0; g < G; g++) {
             const float *xg = xf + (int64_t)i * K + g * 32;
-            xsum[i * G + g] = hsum(floats16(xg) + floats16(xg + 16));
+            vec sum = floats_at(xg);
+            for (int j = VL; j < 32; j += VL) sum += floats_at(xg + j);
+            xsum[i * G + g] = hsum(sum);
         }
     #pragma omp parallel for schedule(static) num_threads(threads)
     for (int64_t t = 0; t < N / 16; t++) {

@@ -13,7 +13,8 @@ pool of threads.
     attention/cpu_paged.c   paged decode attention, pages read in place (`attention/cpu_kernel.py`)
     matvec.c                a decode's few-row matrix products, streaming each weight once (`matvec.py`)
     c_block.c               a block's two halves around attention in one call each, for a few rows (`c_block.py`)
-    vec16.h                 what both include: 16 floats as one vector value, bfloat16 loads and stores
+    vec.h                   what they include: one register of floats as one vector value (16, 8 or 4 of
+                            them: AVX-512, AVX2, other CPUs), bfloat16 loads and stores
 """
 from __future__ import annotations
 

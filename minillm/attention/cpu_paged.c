@@ -3,7 +3,7 @@
    The torch backend gathers a request's pages into a copy and hands it to SDPA: every key is read,
    written and read again, and SDPA runs one query row per head. This kernel is the CPU's version of the
    Triton decode kernel: one task per (request, KV head); the G query heads that share that KV head
-   attend together (each key is loaded once for all G of them); keys come a tile of 16 at a time through
+   attend together (each key is loaded once for all G of them); keys come a tile of VL at a time through
    the block table; the softmax is kept online (running max m, running sum l, accumulator acc), so nothing
    the size of the context is ever written.
 
@@ -13,16 +13,17 @@
        table  (n, W) int32: request i's pages;  rows (n,) int64: its query row;  lens (n,) int32: its keys
        out    rows at out + row * so_n + head * so_h
 
-   `vec` (vec16.h) is 16 floats handled as one value, compiled to this CPU's vector instructions. Built at first use by `cpu_kernel.py`; the engine falls back to gather + SDPA where there is no compiler. */
+   `vec` (vec.h) is VL floats handled as one value, one register of this CPU (VL = 16, 8 or 4). Built at first
+   use by `cpu_kernel.py`; the engine falls back to gather + SDPA where there is no compiler. */
 #include <math.h>
 
-#include "../vec16.h"
+#include "../vec.h"
 
-#define TILE 16      /* keys per online-softmax update: one vec of scores per query head */
+#define TILE VL      /* keys per online-softmax update: one vec of scores per query head */
 #define MAX_G 16
-#define MAX_DV 16    /* head_dim up to 16 vecs (256) */
+#define MAX_DV (256 / VL)    /* head_dim up to 256: DV = head_dim / VL vecs */
 
-/* e^x for x <= 0 (scores minus the running max), 16 at a time: 2^(x log2 e) split into 2^i (written into
+/* e^x for x <= 0 (scores minus the running max), VL at a time: 2^(x log2 e) split into 2^i (written into
    the exponent bits) and e^f, |f| <= ln2 / 2, by its Taylor series to f^6 (relative error about 1e-7). */
 static inline vec exp_nonpositive(vec x) {
     vec t = x * 1.44269504f;
@@ -49,25 +50,25 @@ attend_one(const char *q, int64_t sq_n, int64_t sq_h, const char *k, const char 
     float m[MAX_G], l[MAX_G];
     for (int g = 0; g < G; g++) {
         for (int c = 0; c < DV; c++) {
-            qv[g][c] = load_vec(q + (row * sq_n + (int64_t)(h * Gall + g0 + g) * sq_h + c * 16) * esize, bf16) * scale;
+            qv[g][c] = load_vec(q + (row * sq_n + (int64_t)(h * Gall + g0 + g) * sq_h + c * VL) * esize, bf16) * scale;
             acc[g][c] = splat(0.0f);
         }
         m[g] = -INFINITY;
         l[g] = 0.0f;
     }
-    const int64_t row_stride = (int64_t)Hkv * DV * 16;          /* numbers from one slot to the next */
+    const int64_t row_stride = (int64_t)Hkv * DV * VL;          /* numbers from one slot to the next */
     for (int t0 = 0; t0 < len; t0 += TILE) {
         int n = len - t0 < TILE ? len - t0 : TILE;
         const char *kr[TILE], *vr[TILE];
         for (int j = 0; j < n; j++) {                            /* the tile's rows, through the table */
             int t = t0 + j;
-            int64_t at = ((int64_t)table[t / bs] * bs + t % bs) * row_stride + (int64_t)h * DV * 16;
+            int64_t at = ((int64_t)table[t / bs] * bs + t % bs) * row_stride + (int64_t)h * DV * VL;
             kr[j] = k + at * esize;
             vr[j] = v + at * esize;
         }
         for (int t = t0 + TILE; t < len && t < t0 + 2 * TILE; t++) {   /* ask for the next tile's rows now */
-            int64_t at = ((int64_t)table[t / bs] * bs + t % bs) * row_stride + (int64_t)h * DV * 16;
-            for (int c = 0; c < DV * 16 * esize; c += 64) {
+            int64_t at = ((int64_t)table[t / bs] * bs + t % bs) * row_stride + (int64_t)h * DV * VL;
+            for (int c = 0; c < DV * VL * esize; c += 64) {
                 __builtin_prefetch(k + at * esize + c);
                 __builtin_prefetch(v + at * esize + c);
             }
@@ -76,7 +77,7 @@ attend_one(const char *q, int64_t sq_n, int64_t sq_h, const char *k, const char 
         for (int g = 0; g < G; g++) s[g] = splat(-INFINITY);
         for (int j = 0; j < n; j++) {                            /* s = q . k, each key loaded once */
             vec kj[MAX_DV];
-            for (int c = 0; c < DV; c++) kj[c] = load_vec(kr[j] + c * 16 * esize, bf16);
+            for (int c = 0; c < DV; c++) kj[c] = load_vec(kr[j] + c * VL * esize, bf16);
             for (int g = 0; g < G; g++) {
                 vec d = qv[g][0] * kj[0];
                 for (int c = 1; c < DV; c++) d += qv[g][c] * kj[c];
@@ -95,7 +96,7 @@ attend_one(const char *q, int64_t sq_n, int64_t sq_h, const char *k, const char 
         }
         for (int j = 0; j < n; j++) {                            /* acc += p . v, each value loaded once */
             vec vj[MAX_DV];
-            for (int c = 0; c < DV; c++) vj[c] = load_vec(vr[j] + c * 16 * esize, bf16);
+            for (int c = 0; c < DV; c++) vj[c] = load_vec(vr[j] + c * VL * esize, bf16);
             for (int g = 0; g < G; g++)
                 for (int c = 0; c < DV; c++) acc[g][c] += p[g][j] * vj[c];
         }
@@ -105,7 +106,7 @@ attend_one(const char *q, int64_t sq_n, int64_t sq_h, const char *k, const char 
         float inv = l[g] > 0.0f ? 1.0f / l[g] : 0.0f;           /* no keys: zeros */
         for (int c = 0; c < DV; c++) {
             vec x = acc[g][c] * inv;
-            for (int i = 0; i < 16; i++) store_float(out, at + c * 16 + i, x[i], bf16);
+            for (int i = 0; i < VL; i++) store_float(out, at + c * VL + i, x[i], bf16);
         }
     }
 }
@@ -122,12 +123,12 @@ static void attend_dispatch(const char *q, int64_t sq_n, int64_t sq_h, const cha
                             float scale, int bf16, char *out, int64_t so_n, int64_t so_h) {
     for (int g0 = 0; g0 < Gall; g0 += MAX_G) {
         int G = Gall - g0 < MAX_G ? Gall - g0 : MAX_G;
-        CASE(3, 4)     /* the course model: 9 query heads over 3 KV heads, head_dim 64 */
-        CASE(1, 4)
-        CASE(2, 4)
-        CASE(4, 4)
-        CASE(4, 8)     /* 128-dim heads */
-        CASE(8, 8)
+        CASE(3, 64 / VL)     /* the course model: 9 query heads over 3 KV heads, head_dim 64 */
+        CASE(1, 64 / VL)
+        CASE(2, 64 / VL)
+        CASE(4, 64 / VL)
+        CASE(4, 128 / VL)    /* 128-dim heads */
+        CASE(8, 128 / VL)
         attend_one(q, sq_n, sq_h, k, v, tab, row, len, bs, Hkv, Gall, g0, G, DV, h, scale, bf16, out, so_n, so_h);
     }
 }
@@ -137,8 +138,8 @@ int paged_decode(const void *q, int64_t sq_n, int64_t sq_h, const void *k, const
                  const int32_t *table, int W, const int64_t *rows, const int32_t *lens, int n,
                  int bs, int H, int Hkv, int D, float scale, int bf16,
                  void *out, int64_t so_n, int64_t so_h, int threads) {
-    int G = H / Hkv, DV = D / 16;
-    if (DV > MAX_DV || G * Hkv != H || DV * 16 != D) return -1;
+    int G = H / Hkv, DV = D / VL;
+    if (DV > MAX_DV || G * Hkv != H || D % 16 != 0) return -1;
     #pragma omp parallel for collapse(2) schedule(dynamic, 1) num_threads(threads)
     for (int i = 0; i < n; i++)
         for (int h = 0; h < Hkv; h++)
