@@ -20,7 +20,8 @@ def test_generate_json_answers_paris():
     assert out["prompt_tokens"] > 10 and out["ttft_s"] > 0
 
 
-@pytest.mark.parametrize("stage", ["naive", "kv", "paged", "continuous"])   # (flash: as paged, one Triton stage)
+@pytest.mark.parametrize("stage", ["naive", "kv", "continuous"])   # (flash, paged: the same CLI path; their Triton
+# kernels run interpreted on a CPU, a minute per stage here: their tokens are checked in test_triton_*.py)
 def test_generate_streams_text(stage):
     r = run("generate", "1, 2, 3, 4,", "--max-tokens", "6", "--stop", " 7", "--stage", stage)
     assert r.returncode == 0, r.stderr

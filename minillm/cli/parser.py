@@ -33,7 +33,8 @@ def _add_compile_arg(p):
                         "serves every layer; the first steps pay seconds for it, cached on disk); default: eager")
     p.add_argument("--enforce-eager", action="store_true",
                    help="run every step eagerly: no CUDA graphs for decode steps (captured on a GPU by default) "
-                        "and no --compile")
+                        "and no --compile. The C kernels built on this machine at first use are not turned off "
+                        "by it: MINILLM_NO_CPU_KERNEL=1 does that (and serve's --no-pack-weights the packed weights)")
 
 
 def _add_attention_arg(p):
