@@ -6,10 +6,10 @@ and returns True when everything passes. It never raises, so a notebook runs on 
     notebook 02  check_top_p, check_min_p                                (sampling.py)
     notebook 03  check_kv_append, check_kv_bytes                         (kv_cache.py)
     notebook 04  check_repeat_kv, check_gqa_decode                       (gqa.py), check_ridge_batch (predict.py)
-    notebook 05  check_online_softmax, check_merge_splits                (flash.py), check_prediction (predict.py)
-    notebook 06  check_slot_lookup, check_blocks_needed                  (paged.py), check_prediction (predict.py)
+    notebook 05  check_online_softmax, check_merge_splits                (flash.py)
+    notebook 06  check_slot_lookup, check_blocks_needed                  (paged.py)
     notebook 07  check_decode_steps, check_schedule, check_pack          (engine.py)
-    notebook 08  check_chunk_sizes, check_chunk_mask                     (chunked.py), check_prediction (predict.py)
+    notebook 08  check_chunk_sizes, check_chunk_mask                     (chunked.py)
     notebook 09  check_chain, check_cached_tokens, check_lru             (prefix.py)
     notebook 10  check_verify_greedy, check_residual, check_accept_draft (speculative.py)
     notebook 11  check_parse_sse, check_percentile                       (serving.py)
@@ -17,8 +17,8 @@ and returns True when everything passes. It never raises, so a notebook runs on 
     notebook 13  check_qkv_shard, check_transfer_bytes, check_ring_all_reduce (distributed.py)
     notebook 14  check_rope_roll, check_step_split                       (step.py)
 
-`check_prediction` (predict.py) serves every predict-a-number exercise: the learner's number against what
-the notebook measured in the same run.
+`check_prediction` (predict.py) serves the predict-a-number exercise of notebooks 01-03 and 05-13: the
+learner's number against what the notebook measured in the same run.
 """
 from .check import Case, run_checks
 from .chunked import check_chunk_mask, check_chunk_sizes
