@@ -186,7 +186,7 @@ def test_quantized_draft_model_under_preemption_and_abort(model, tokenizer, prom
     check(engine, finals, solo, skip=(2,))
     s = engine.stats()
     assert s["num_preemptions"] > 0
-    assert s["spec_draft_tokens"] > s["spec_accepted_tokens"] > s["spec_draft_tokens"] // 2   # a close draft
+    assert s["spec_draft_tokens"] >= s["spec_accepted_tokens"] > s["spec_draft_tokens"] // 2   # a close draft
     assert engine.pool.num_free_blocks == engine.pool.num_blocks
     assert draft_blocks_used(engine) == s["draft_kv_blocks_used"] == 0 and not engine.speculator.draft.seqs
 
