@@ -15,7 +15,9 @@ Servers (each a child process on a loopback port, all started before the sweep; 
 Workload: data/chat_workload.jsonl (24 questions, chat, greedy, up to 96 tokens; answers end at the end
 of text, so each server does the work its own answers take), Poisson arrivals at each rate, sent by
 `minillm.course.bench_http` with streaming. Per server and rate: TTFT, ITL, E2E percentiles and output tokens
-per second; for minillm, its /metrics (running, waiting, KV use) sampled during the run.
+per second; for minillm, its /metrics (running, waiting, KV use) sampled during the run. With `--rounds N`
+every rate is run N times, the servers taking turns (in reverse order on every other round, so neither
+always goes first after a quiet spell); the goals compare the servers' medians over the rounds.
 """
 from __future__ import annotations
 
@@ -23,6 +25,7 @@ import argparse
 import json
 import math
 import shutil
+import statistics
 import sys
 import tempfile
 from pathlib import Path
@@ -91,6 +94,7 @@ def main():
     ap.add_argument("--no-transformers", action="store_true")
     ap.add_argument("--no-plain-transformers", action="store_true",
                     help="only `transformers serve --continuous-batching` (the plain one is slow at every rate)")
+    ap.add_argument("--rounds", type=int, default=1, help="runs per server and rate, the servers taking turns")
     ap.add_argument("--timeout", type=float, default=400.0, help="seconds per run before giving up")
     ap.add_argument("--workload", default=str(ROOT / "data" / "chat_workload.jsonl"))
     ap.add_argument("--out", default=str(Path(__file__).parent / "results" / "cpu_serving.json"))
@@ -104,30 +108,74 @@ def main():
             p.start()
             run_http_bench(p.url, load_text_workload(args.workload, 2, 8), chat=True, ignore_eos=False,
                            progress=False)                                  # warm-up: lazy set-up, first kernels
-        for rate in rates:
+        for rate, rnd in [(rate, rnd) for rate in rates for rnd in range(args.rounds)]:
             items = load_text_workload(args.workload, args.num_requests, request_rate=rate, seed=1)
-            for name, p in procs.items():          # the same arrivals for every server, one server at a time
+            order = list(procs.items()) if rnd % 2 == 0 else list(procs.items())[::-1]
+            for name, p in order:                  # the same arrivals for every server, one server at a time
                 sampler = MetricsSampler(p.url, 1.0) if name == "minillm" else None   # 1 s: light
                 if sampler:
                     sampler.__enter__()
                 replay = run_http_bench(p.url, items, chat=True, ignore_eos=False, timeout_s=args.timeout)
                 if sampler:
                     sampler.__exit__()
-                    timelines[str(rate)] = sampler.samples
-                r = summarize_system(name, replay) | {"request_rate": rate if math.isfinite(rate) else "inf"}
+                    timelines.setdefault(str(rate), sampler.samples)      # the first round's
+                r = summarize_system(name, replay) | {"request_rate": rate if math.isfinite(rate) else "inf",
+                                                      "round": rnd}
                 results.append(r)
-                print(json.dumps({"server": name, "rate": rate, "done": r["completed"], "failed": r["failed"],
+                print(json.dumps({"server": name, "rate": rate, "round": rnd, "done": r["completed"], "failed": r["failed"],
                                   "tok_s": round(r["output_tokens_per_s"], 1),
                                   "ttft_p50": r["ttft_s"]["p50"], "itl_p99": r["itl_s"]["p99"]}), flush=True)
     finally:
         for p in procs.values():
             p.stop()
     workload = {"file": "data/chat_workload.jsonl", "num_requests": args.num_requests, "rates": args.rates,
-                "chat": True, "greedy": True, "max_tokens": 96, "ignore_eos": False}
+                "chat": True, "greedy": True, "max_tokens": 96, "ignore_eos": False, "rounds": args.rounds}
+    verdict = goals(results)
     Path(args.out).write_text(json.dumps({"machine": machine_info() | {"threads": args.threads},
                                           "workload": workload, "servers": list(procs), "results": results,
-                                          "minillm_metrics": timelines}, indent=1))
+                                          "goals": verdict, "minillm_metrics": timelines}, indent=1))
     print(goal(results))
+    print(json.dumps(verdict, indent=1))
+
+
+def medians(results: list[dict], system: str, rate) -> dict | None:
+    """One server at one rate, the median of its rounds: output tok/s, requests/s, TTFT p50, ITL p99."""
+    runs = [r for r in results if r["system"] == system and r["request_rate"] == rate and r["completed"]]
+    if not runs:
+        return None
+    med = lambda f: statistics.median(f(r) for r in runs)                # noqa: E731
+    return {"rounds": len(runs), "failed": sum(r["failed"] for r in runs),
+            "output_tokens_per_s": med(lambda r: r["output_tokens_per_s"]),
+            "requests_per_s": med(lambda r: r["requests_per_s"]),
+            "ttft_p50_s": med(lambda r: r["ttft_s"]["p50"]), "itl_p99_s": med(lambda r: r["itl_s"]["p99"])}
+
+
+def goals(results: list[dict], peer: str = "transformers serve --continuous-batching") -> list[dict]:
+    """minillm against one peer at every rate, on the medians of the rounds. At the highest rate (all at
+    once) the goal is 2x the output tokens/s with ITL p99 no worse; at a rate where both servers deliver
+    the offered load (completed requests per second, the last answer's tail included, at least 3/4 of
+    the rate: 24 requests drain for a few seconds after the last arrives), TTFT p50 and ITL p99 both at least 2x lower."""
+    out = []
+    for rate in dict.fromkeys(r["request_rate"] for r in results):
+        ours, theirs = medians(results, "minillm", rate), medians(results, peer, rate)
+        if not ours or not theirs:
+            continue
+        row = {"request_rate": rate, "minillm": ours, "peer": theirs,
+               "throughput_ratio": ours["output_tokens_per_s"] / theirs["output_tokens_per_s"],
+               "itl_p99_ratio": theirs["itl_p99_s"] / ours["itl_p99_s"],
+               "ttft_p50_ratio": theirs["ttft_p50_s"] / ours["ttft_p50_s"]}
+        delivered = rate != "inf" and all(s["requests_per_s"] >= 0.75 * rate for s in (ours, theirs))
+        if rate == "inf":
+            row["goal"] = "saturation: >= 2x output tok/s, ITL p99 no worse"
+            row["met"] = row["throughput_ratio"] >= 2 and row["itl_p99_ratio"] >= 1
+        elif delivered:
+            row["goal"] = "offered load delivered by both: TTFT p50 and ITL p99 >= 2x lower"
+            row["met"] = row["ttft_p50_ratio"] >= 2 and row["itl_p99_ratio"] >= 2
+        else:
+            row["goal"] = "not every server delivered the offered load: no goal at this rate"
+            row["met"] = None
+        out.append(row)
+    return out
 
 
 def goal(results: list[dict], itl_p99_limit: float = 0.25) -> str:
