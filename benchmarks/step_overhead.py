@@ -27,6 +27,8 @@ With `--peer-python PY` (a Python with llama-cpp-python), llama.cpp's single-str
 file takes its turn in every round (the script of `quantization.py`; `speed_vs_llama_cpp` per format).
 
     python benchmarks/step_overhead.py [--rounds 3] [--peer-python PY] > benchmarks/results/cpu_step_overhead.json
+
+`--engine-only` skips the formats: the machine's rates (measured `--rounds` times) and the engine's step.
 """
 from __future__ import annotations
 
@@ -164,6 +166,7 @@ def main() -> None:
     ap.add_argument("--rounds", type=int, default=3)
     ap.add_argument("--repeats", type=int, default=20, help="profiled decode steps per format")
     ap.add_argument("--peer-python", default=None, help="a Python with llama-cpp-python (adds llama.cpp)")
+    ap.add_argument("--engine-only", action="store_true", help="only the machine's rates and the engine's step")
     args = ap.parse_args()
     sys.path.insert(0, str(Path(__file__).parent))
     from quantization import LLAMA_SCRIPT
@@ -172,6 +175,8 @@ def main() -> None:
     ids = tok.encode(PROMPT)
     held = heldout_ids(tok, max_tokens=256)
     formats = [f for f in FORMATS if f[1] != "w8a8" or cpu_has_vnni()]   # 8-bit activations: VNNI only
+    if args.engine_only:
+        formats = [("float32", None)]
     base = load("float32", None)
     models, gate = {}, {}
     for dtype, quant in tqdm(formats, desc="load and check", file=sys.stderr):
@@ -200,7 +205,7 @@ def main() -> None:
                                  str(args.rounds + 1)], stdin=subprocess.PIPE, stdout=subprocess.PIPE, text=True)
         speeds["llama.cpp"] = []
     for rnd in tqdm(range(args.rounds + 1), desc="rounds", file=sys.stderr):   # round 0 warms up
-        for name, m in models.items():
+        for name, m in models.items() if not args.engine_only else ():
             for suffix, (mode, block) in modes[name].items():
                 with matvec.using(mode), c_block.using(block):
                     p = params if rnd else SamplingParams(max_tokens=4)
@@ -218,7 +223,7 @@ def main() -> None:
             matmul_rates.append(measure_matmul_flops(repeats=3))
     copy_bw, matmul_rate = statistics.median(bandwidths), statistics.median(matmul_rates)
     results = []
-    for name, m in tqdm(models.items(), desc="profile", file=sys.stderr):
+    for name, m in tqdm(models.items() if not args.engine_only else (), desc="profile", file=sys.stderr):
         tps = statistics.median(speeds[name])
         nbytes = bytes_per_token(m, len(ids) + 32)
         floor = copy_bw / nbytes

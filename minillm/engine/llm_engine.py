@@ -272,10 +272,10 @@ class LLMEngine:
             for k, i in enumerate(constrained):
                 changed[i] = changed[i] + bias[k]
         greedy = [i for i in plain if samples[i][0].params.greedy and i not in changed]
-        if greedy:
-            rows = [samples[i][1] for i in greedy]
-            for i, t in zip(greedy, logits[rows].argmax(dim=-1).tolist()):
-                tokens[i] = [t]
+        if greedy:                 # every row's argmax: cheaper than copying the greedy rows out first
+            best = logits.argmax(dim=-1).tolist()
+            for i in greedy:
+                tokens[i] = [best[samples[i][1]]]
         for i in plain:
             r, row, _ = samples[i]
             if r.finished:                                   # (no token the grammar allows)
