@@ -17,7 +17,7 @@ and returns True when everything passes. It never raises, so a notebook runs on 
     notebook 13  check_qkv_shard, check_transfer_bytes, check_ring_all_reduce (distributed.py)
     notebook 14  check_rope_roll, check_step_split                       (step.py)
 
-`check_prediction` (predict.py) serves the predict-a-number exercise of notebooks 01-03 and 05-13: the
+`check_prediction` (predict.py) serves the predict-a-number exercise of notebooks 01-03 and 05-14: the
 learner's number against what the notebook measured in the same run.
 """
 from .check import Case, run_checks
