@@ -13,7 +13,7 @@ import torch.nn.functional as F
 
 from minillm.kv import KVCache
 from minillm.quant import Int8Linear, Q4Linear, W8A8Linear
-from minillm.quant.linear import SMALL_ROWS, cpu_has_vnni, kernel_agrees, quantize_q4_1
+from minillm.quant.linear import SMALL_ROWS, cpu_has_vnni, eight_bit_sums_overflow, kernel_agrees, quantize_q4_1
 from minillm.course.quality import KL_BOUND, heldout_ids, next_token_logprobs
 from minillm.stages import KVCacheRunner
 
@@ -112,10 +112,10 @@ def test_w8a8_keeps_fbgemm_only_where_its_sums_do_not_overflow():
     g = torch.Generator().manual_seed(11)
     w = torch.randn(256, 576, generator=g) * 0.05
     layer = W8A8Linear(w)
-    assert layer.packed is not None and layer.reduce_range == (not cpu_has_vnni())
+    assert layer.packed is not None and layer.reduce_range == eight_bit_sums_overflow()
     ones = torch.ones(1, 576)
     assert rel_err(layer(ones), F.linear(ones, layer.dequantize())) < 2e-2
-    if not cpu_has_vnni():
+    if eight_bit_sums_overflow():
         with pytest.warns(RuntimeWarning, match="linear_dynamic"):
             eight = W8A8Linear(w, reduce_range=False)
         assert eight.packed is None and not eight.reduce_range                     # 8 bits, emulated

@@ -35,6 +35,7 @@ calls `F.linear`: correct, not fast.
 """
 from __future__ import annotations
 
+import platform
 import warnings
 from functools import lru_cache
 
@@ -55,6 +56,13 @@ def cpu_has_vnni() -> bool:
     fbgemm has no path for the 256-bit AVX-VNNI of recent laptop CPUs; there it adds pairs of 8-bit
     products in 16 bits, as on any AVX2 CPU."""
     return bool(torch.cpu.get_capabilities().get("avx512_vnni"))
+
+
+@lru_cache(maxsize=1)
+def eight_bit_sums_overflow() -> bool:
+    """Whether fbgemm's 8-bit products overflow with 8-bit activations: x86 CPUs without AVX512-VNNI add
+    pairs of them in 16 bits. ARM CPUs (an Apple-silicon Mac) and GPUs have no such path."""
+    return platform.machine().lower() in ("x86_64", "amd64", "i386", "i686", "x86") and not cpu_has_vnni()
 
 
 @lru_cache(maxsize=1)
@@ -170,9 +178,9 @@ class W8A8Linear(nn.Module):
     reduce_range: activations in 7 bits instead of 8. x86 CPUs without AVX512-VNNI add pairs of 8-bit
     products in 16 bits, which overflow with 8-bit activations (a row of ones comes out 12% wrong on an
     AVX2 EPYC); fbgemm's remedy is 7 bits, which moves the model about 3x further (mean KL 0.06 instead
-    of 0.02 on the held-out text). The default: 8 bits where the CPU has AVX512-VNNI, 7 elsewhere; if
-    fbgemm then fails the probe (see the module's docstring), 7 bits, and if it fails again the same
-    arithmetic in floating point.
+    of 0.02 on the held-out text). The default: 7 bits where those sums overflow (x86 without AVX512-VNNI,
+    the weight on the CPU), 8 elsewhere (ARM CPUs, GPUs); if fbgemm then fails the probe (see the module's
+    docstring), 7 bits, and if it fails again the same arithmetic in floating point.
     """
 
     def __init__(self, w: torch.Tensor, smooth: torch.Tensor | None = None, reduce_range: bool | None = None):
@@ -186,7 +194,8 @@ class W8A8Linear(nn.Module):
         else:
             self.inv_smooth = None
         self.int8 = Int8Linear.from_float(w, kernel=False)              # the stored weight, for dequantize()
-        self.reduce_range = not cpu_has_vnni() if reduce_range is None else reduce_range
+        overflow = w.device.type == "cpu" and eight_bit_sums_overflow()
+        self.reduce_range = overflow if reduce_range is None else reduce_range
         pin = torch.zeros(1, self.in_features)
         pin[0, 0], pin[0, -1] = -1.0, 1.0
         self.register_buffer("pin", pin)
