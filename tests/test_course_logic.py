@@ -244,3 +244,19 @@ def test_run_times_and_their_spread_in_words():
     assert len(times) == 4 and len(calls) == 6 and all(t >= 0 for t in times)
     assert median_time(lambda: None, repeats=3) >= 0
     assert spread([0.010, 0.012, 0.020]) == "12.0 ms (10.0-20.0 over 3 runs)"
+
+
+def test_step_timers_give_every_repeat_and_their_median(tokenizer):
+    """07 and 08 print a step's cost with its range, so the timers hand back each repeat, not only the median."""
+    import statistics
+
+    from test_paged_torch import tiny_model
+
+    from minillm.course.simulate import decode_step_seconds, decode_step_times, prefill_step_times
+
+    model = tiny_model(vocab_size=49152)            # the timers' prompts use token ids up to 1,500
+    decode = decode_step_times(model, tokenizer, batch=2, context=5, steps=4)
+    prefill = prefill_step_times(model, tokenizer, tokens=7, repeats=3)
+    assert len(decode) == 4 and len(prefill) == 3 and all(t > 0 for t in decode + prefill)
+    assert decode_step_seconds(model, tokenizer, batch=2, context=5, steps=3) > 0
+    assert statistics.median(prefill) > 0

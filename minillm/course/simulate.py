@@ -4,7 +4,7 @@
 runner that computes nothing (every request simply gets its output length), and records
 every step: which requests it served and how many tokens each. Arrivals are counted in
 steps. It shows the shape of a schedule — the static bubble, chunked prompts, preemptions —
-and, with a cost per step measured on a machine (`decode_step_seconds`, `prefill_step_seconds`),
+and, with a cost per step measured on a machine (`decode_step_times`, `prefill_step_times` and their medians),
 predicts how long the real run will take (`predicted_seconds`).
 """
 from __future__ import annotations
@@ -75,8 +75,9 @@ def simulate(prompt_lens: list[int], output_lens: list[int], arrival_steps: list
     return steps
 
 
-def decode_step_seconds(model, tokenizer, batch: int, context: int = 100, steps: int = 8) -> float:
-    """Median time of an engine step in which `batch` requests (prompts of `context` tokens) each decode one token."""
+def decode_step_times(model, tokenizer, batch: int, context: int = 100, steps: int = 8) -> list[float]:
+    """Seconds of each of `steps` engine steps in which `batch` requests (prompts of `context` tokens) each
+    decode one token."""
     engine = LLMEngine(model, tokenizer, kv_cache_memory=256 << 20, verbose=False)
     for i in range(batch):
         engine.add_request(i, [1000 + i] * context, SamplingParams(max_tokens=steps + 4, ignore_eos=True))
@@ -87,20 +88,32 @@ def decode_step_seconds(model, tokenizer, batch: int, context: int = 100, steps:
         t0 = time.perf_counter()
         engine.step()
         times.append(time.perf_counter() - t0)
-    return statistics.median(times)
+    return times
 
 
-def prefill_step_seconds(model, tokenizer, tokens: int, repeats: int = 3) -> float:
-    """Median time of an engine step that computes one prompt of `tokens` tokens (an empty cache)."""
+def decode_step_seconds(model, tokenizer, batch: int, context: int = 100, steps: int = 8) -> float:
+    """Median of `decode_step_times`."""
+    return statistics.median(decode_step_times(model, tokenizer, batch, context, steps))
+
+
+def prefill_step_times(model, tokenizer, tokens: int, repeats: int = 3, warmup: int = 1) -> list[float]:
+    """Seconds of each of `repeats` engine steps that compute one prompt of `tokens` tokens (an empty cache),
+    after `warmup` untimed ones (the first step of a process also pays for one-time set-up)."""
     times = []
-    for _ in range(repeats):
+    for n in range(warmup + repeats):
         engine = LLMEngine(model, tokenizer, max_num_batched_tokens=max(512, tokens), kv_cache_memory=256 << 20,
                            verbose=False)
         engine.add_request(0, [1000 + i % 500 for i in range(tokens)], SamplingParams(max_tokens=1))
         t0 = time.perf_counter()
         engine.step()
-        times.append(time.perf_counter() - t0)
-    return statistics.median(times)
+        if n >= warmup:
+            times.append(time.perf_counter() - t0)
+    return times
+
+
+def prefill_step_seconds(model, tokenizer, tokens: int, repeats: int = 3) -> float:
+    """Median of `prefill_step_times`."""
+    return statistics.median(prefill_step_times(model, tokenizer, tokens, repeats))
 
 
 def predicted_seconds(steps: list[SimStep], cost_tokens: list[int], cost_seconds: list[float]) -> float:
