@@ -65,11 +65,11 @@ def show_decode(run: dict) -> list[dict] | None:
     floor = min(r["ms"] for r in p["rows"])
     print(f"{'batch':>5} {'context':>8} {'K/V read':>10} {'time':>9}   fraction of copy bandwidth")
     for r in p["rows"]:
-        print(f"{r['batch']:>5} {r['context']:>8,} {r['bytes_read'] / 2**20:>7.0f} MiB {r['ms'] * 1e3:>6.0f} µs"
+        print(f"{r['batch']:>5} {r['context']:>8,} {r['bytes_read'] / 1e6:>7.0f} MB {r['ms'] * 1e3:>7.0f} µs"
               f"   {r['fraction_of_copy_bandwidth']:>6.0%}")
-    big = [r["fraction_of_copy_bandwidth"] for r in p["rows"] if r["bytes_read"] >= 100 * 2**20]
+    big = [r["fraction_of_copy_bandwidth"] for r in p["rows"] if r["bytes_read"] >= 100e6]
     if big:
-        print(f"\nWith at least 100 MiB to read the kernel reaches {min(big):.0%} to {max(big):.0%} of the copy's "
+        print(f"\nWith at least 100 MB to read the kernel reaches {min(big):.0%} to {max(big):.0%} of the copy's "
               f"bandwidth. Below that no call takes less than {floor * 1e3:.0f} µs: the time of launching it from "
               f"Python (two kernels and their buffers), which a CUDA graph removes.")
     return p["rows"]
@@ -93,8 +93,9 @@ def show_paged(run: dict) -> None:
             print(f"(The same contiguous call, batch {r['batch']} at {r['context']:,}, took {other * 1e3:.0f} µs in the "
                   f"decode part of this run: between two parts of one run the time moved more than between paged "
                   f"and contiguous here, which is why each pair is timed side by side.)")
-    print(f"\nThe paged kernel's median time is {versus(mid, 1.0)} the contiguous kernel's: reading through the "
-          f"block table costs {'next to nothing' if mid < 1.1 else 'a visible share of the bandwidth'}.")
+    most = max(r["paged_over_contiguous"] for r in p["rows"])
+    print(f"\nThe median paged / contiguous ratio is {versus(mid, 1.0)} 1 (the largest {most:.2f}×): reading through "
+          f"the block table costs {'next to nothing' if mid < 1.1 else 'a visible share of the bandwidth'}.")
 
 
 def show_serving(run: dict) -> None:
@@ -102,14 +103,15 @@ def show_serving(run: dict) -> None:
     s, one = part(run, "serving"), part(run, "single_stream")
     print(label(run))
     if s is not None:
-        print(f"{'requests':>8} {'system':>13} {'tok/s':>7} {'TTFT p50':>9} {'TTFT p99':>9} {'ITL p50':>8} {'ITL p99':>8}")
+        print(f"{'requests':>8} {'system':>13} {'tok/s':>7} {'TTFT p50':>9} {'TTFT p99':>9} {'ITL p50':>8} {'ITL p99':>8}"
+              f"  (ms)")
         for n in (k for k in s if k.endswith("_requests")):
             for name in ("continuous", "transformers"):
                 r = s[n].get(name)
                 if r:
                     print(f"{n.split('_')[0]:>8} {name:>13} {r['output_tokens_per_s']:>7.0f} "
-                          f"{r['ttft_s']['p50']:>8.2f}s {r['ttft_s']['p99']:>8.2f}s "
-                          f"{r['itl_s']['p50'] * 1e3:>6.1f}ms {r['itl_s']['p99'] * 1e3:>6.1f}ms")
+                          f"{r['ttft_s']['p50'] * 1e3:>9.0f} {r['ttft_s']['p99'] * 1e3:>9.0f} "
+                          f"{r['itl_s']['p50'] * 1e3:>8.1f} {r['itl_s']['p99'] * 1e3:>8.1f}")
             if "engine_over_transformers" in s[n]:
                 print(f"{'':>8} the engine's throughput is {s[n]['engine_over_transformers']:.1f}× transformers'")
     if one is not None:
@@ -131,10 +133,10 @@ def show_chunk_budget(run: dict) -> None:
         return
     rows = {int(b): r for b, r in p["chunk_budget"].items()}
     print(label(run) + "; 64 requests, all at once")
-    print(f"{'budget':>7} {'tok/s':>7} {'TTFT p50':>9} {'TTFT p99':>9} {'ITL p99':>8}")
+    print(f"{'budget':>7} {'tok/s':>7} {'TTFT p50':>9} {'TTFT p99':>9} {'ITL p99':>8}  (ms)")
     for b, r in sorted(rows.items()):
-        print(f"{b:>7,} {r['output_tokens_per_s']:>7.0f} {r['ttft_s']['p50']:>8.2f}s {r['ttft_s']['p99']:>8.2f}s "
-              f"{r['itl_s']['p99'] * 1e3:>6.1f}ms")
+        print(f"{b:>7,} {r['output_tokens_per_s']:>7.0f} {r['ttft_s']['p50'] * 1e3:>9.0f} {r['ttft_s']['p99'] * 1e3:>9.0f} "
+              f"{r['itl_s']['p99'] * 1e3:>8.1f}")
     small, big = rows[min(rows)], rows[max(rows)]
     print(f"\nOn this GPU the {max(rows):,}-token budget gives throughput "
           f"{versus(big['output_tokens_per_s'], small['output_tokens_per_s'])} the {min(rows)}-token budget's, "

@@ -33,10 +33,10 @@ def check_ridge_batch(fn, peak_flops: float, bandwidth: float, bytes_per_weight:
                 ("a laptop, float32 (made-up: 200 GFLOP/s, 50 GB/s)", 200e9, 50e9, 4)]
     cases = []
     for name, peak, bw, b in machines:
-        def run(fn, peak=peak, bw=bw, b=b, name=name):
+        def run(fn, peak=peak, bw=bw, b=b):
             got, want = float(fn(peak, bw, b)), ridge_batch(peak, bw, b)
-            if "this CPU" not in name:                     # its number moves from run to run: printed elsewhere
-                print(f"  {name}: ridge at B = {want:.0f}")
             return None if abs(got - want) <= 0.02 * want else f"got B = {got:.4g}, expected {want:.4g}"
+        if "this CPU" not in name:                         # its number moves from run to run: printed elsewhere
+            name = f"{name}: ridge at B = {ridge_batch(peak, bw, b):.0f}"
         cases.append(Case(name, run))
     return run_checks(fn, cases, "your ridge batch size")
