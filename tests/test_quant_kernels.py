@@ -105,6 +105,20 @@ def test_w8a8_token_result_does_not_depend_on_its_batch():
         assert torch.equal(layer(x[r:r + 1])[0], batched[r])
 
 
+def test_only_x86_without_vnni_needs_7_bit_activations(monkeypatch):
+    """The 16-bit pair sums that overflow are fbgemm's AVX2 path: an ARM CPU (an Apple-silicon Mac) keeps 8 bits."""
+    import platform
+
+    import minillm.quant.linear as linear
+
+    for machine, overflows in (("arm64", False), ("aarch64", False), ("x86_64", not cpu_has_vnni()),
+                               ("AMD64", not cpu_has_vnni())):
+        monkeypatch.setattr(platform, "machine", lambda machine=machine: machine)
+        linear.eight_bit_sums_overflow.cache_clear()
+        assert linear.eight_bit_sums_overflow() == overflows, machine
+    linear.eight_bit_sums_overflow.cache_clear()
+
+
 def test_w8a8_keeps_fbgemm_only_where_its_sums_do_not_overflow():
     """Without AVX512-VNNI fbgemm adds pairs of 8-bit products in 16 bits: with 8-bit activations a row
     of ones overflows. The default bits hold on this CPU; 8 bits asked for where they overflow fall back

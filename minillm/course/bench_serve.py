@@ -252,8 +252,9 @@ def long_prompt_interference(engine, background: list[list[int]], long_prompt: l
     """Requests decoding, and a long prompt arriving among them (notebook 08, benchmarks/chunked_prefill.py).
 
     The `background` requests start together; at step `arrive_step` the long prompt arrives (with a small
-    budget their prompts are still being computed in chunks then, and it waits behind them). Returns the background requests' inter-token latencies, the long prompt's
-    TTFT, and every step's (end time, seconds, tokens, of which the long prompt's)."""
+    budget their prompts are still being computed in chunks then, and it waits behind them). Returns the
+    background requests' inter-token latencies, the long prompt's TTFT, and every step's (end time,
+    seconds, tokens, of which the long prompt's)."""
     bg = SamplingParams(max_tokens=background_tokens, ignore_eos=True)
     for i, p in enumerate(background):
         engine.add_request(f"bg{i}", p, bg)

@@ -22,7 +22,7 @@ from ..quant.linear import eight_bit_sums_overflow
 HELDOUT = Path(__file__).resolve().parents[2] / "data" / "heldout.txt"
 
 # How far each format may move from float32: mean KL on the held-out text. Measured (first 256 tokens):
-# bfloat16 0.001, int8 0.006, w8a8 0.018 (0.059 with 7-bit activations, on CPUs without AVX512-VNNI),
+# bfloat16 0.001, int8 0.006, w8a8 0.018 (0.059 with 7-bit activations, on x86 CPUs without AVX512-VNNI),
 # q4 and q4_file 0.003. The bounds leave room for other CPUs' rounding; a format past its bound is broken
 # on this machine, and the benchmarks refuse to report its speed.
 KL_BOUND = {"float16": 0.005, "bfloat16": 0.005, "int8": 0.02, "w8a8": 0.12 if eight_bit_sums_overflow() else 0.05,
