@@ -30,8 +30,14 @@ def _runner_after(model, context: int, max_len: int):
 
 
 def pass_costs(model, context: int = 200, max_tokens: int = 9, repeats: int = 7) -> dict[int, float]:
-    """Median seconds of extend(T tokens) then truncate back, after `context` tokens, for T = 1..max_tokens.
-    Rounds alternate over T, so a slow moment of the machine hits every T alike."""
+    """Median seconds of extend(T tokens) then truncate back, after `context` tokens, for T = 1..max_tokens."""
+    runs = pass_cost_runs(model, context, max_tokens, repeats)
+    return {T: statistics.median(ts) for T, ts in runs.items()}
+
+
+def pass_cost_runs(model, context: int = 200, max_tokens: int = 9, repeats: int = 7) -> dict[int, list[float]]:
+    """Seconds of each of `repeats` rounds of extend(T tokens) then truncate back, after `context` tokens,
+    for T = 1..max_tokens. Rounds alternate over T, so a slow moment of the machine hits every T alike."""
     runner = _runner_after(model, context, context + max_tokens + 1)
 
     def step(T):
@@ -43,7 +49,7 @@ def pass_costs(model, context: int = 200, max_tokens: int = 9, repeats: int = 7)
     for _ in range(repeats):
         for T in times:
             times[T].append(median_time(lambda: step(T), repeats=1, warmup=0))
-    return {T: statistics.median(ts) for T, ts in times.items()}
+    return times
 
 
 def draft_cost(model, draft: int | str, context: int = 200, repeats: int = 9) -> float:
