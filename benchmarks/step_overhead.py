@@ -3,10 +3,10 @@
 First each lossy format's mean KL from float32 on the run's prompt and the held-out text's first 256 tokens
 (`minillm/course/quality.py`): a format past its bound gets no speed, only the reason. Then, for each format
 within its bound:
-- single-stream decode tokens/s (the kv stage, 64 greedy tokens after a short prompt), the formats taking
-  turns round by round. Where this machine chose C loops for a decode's few rows (`minillm/matvec.py`;
-  for int8 and Q4_1 layers `model.c_loops`), the format runs again with torch's own kernel for every
-  product (`speed_vs_torch_matmul`); where its blocks take the C path (`minillm/c_block.py`, float32
+- single-stream decode tokens/s (the kv stage, 64 greedy tokens after a short prompt) on the native backend
+  (`minillm/backends/`), the formats taking turns round by round. Where this machine chose C loops for a
+  decode's few rows (`backend_report`), the format runs again with torch's own kernel for every product
+  (`speed_vs_torch_matmul`); where its blocks take the C path (`minillm/backends/c_block.py`, float32
   activations), again with the C products but the block as PyTorch operators (`speed_vs_pytorch_block`);
 - the bytes a decode step must read (every weight once and the prompt's K/V), the tokens/s the machine's
   measured copy bandwidth allows at that (the floor), and the fraction of it achieved: the bandwidth is
@@ -20,8 +20,8 @@ step split the same four ways, its FLOPs against the measured matmul rate, and t
 the step's time outside the model's forward pass (scheduling, packing the batch, sampling, outputs). This is
 done for the cpu attention backend (the C kernel reads pages in place; `engine`) and the torch backend
 (pages gathered for SDPA; `engine.torch_split`), both with the weights packed for oneDNN as `serve` packs
-them (`minillm/packed.py`; `engine.packed_weights` is its race, `engine.unpacked_split` the cpu backend's
-step before packing), and the two engines also take turns step by step for a side-by-side step time
+them (`minillm/backends/packed.py`; `engine.packed_weights` is what the native backend chose,
+`engine.unpacked_split` the cpu backend's step before packing), and the two engines also take turns step by step for a side-by-side step time
 (`engine.by_attention`).
 With `--peer-python PY` (a Python with llama-cpp-python), llama.cpp's single-stream decode on the same GGUF
 file takes its turn in every round (the script of `quantization.py`; `speed_vs_llama_cpp` per format).
@@ -49,8 +49,9 @@ from minillm.course.roofline import forward_flops, measure_copy_bandwidth, measu
 from minillm.course.step_profile import bytes_per_token, step_split
 import torch
 
-from minillm import c_block, matvec, packed
 from minillm.attention import cpu_kernel
+from minillm.backends import apply_backend, c_block, report
+from minillm.backends.native import settings
 from minillm.engine import LLMEngine
 from minillm.generate import generate
 from minillm.model import weight_bytes
@@ -65,22 +66,21 @@ FORMATS = [("float32", None), ("bfloat16", None), ("float32", "int8"), ("float32
 TORCH, PYTORCH_BLOCK = ", torch kernels", ", C products, PyTorch block"
 
 
-def variants(model) -> dict[str, tuple[str, bool]]:
-    """{name suffix: (matvec mode, c_block on)} to time for a model: as it runs ("": the measured choices),
-    with torch's kernels for every product where it sends some to C, and with the C products but the block
-    as PyTorch operators where its blocks take the C path (float32 activations)."""
-    v = {"": ("auto", True)}
-    uses_c = any(r.get("use_c") for r in model.c_loops.values()) or (
-        model.dtype in matvec.DTYPES and not model.quant and (matvec.choice(model.dtype) or {}).get("use_c"))
+def variants(model) -> dict[str, dict]:
+    """{name suffix: settings} to time for a native model: as it runs ("": the measured choices), with
+    torch's kernels for every product where it sends some to C, and with the C products but the block as
+    PyTorch operators where its blocks take the C path (float32 activations)."""
+    v = {"": {}}
+    uses_c = any((k["measured"] or {}).get("use_c") for k in report(model)["kernels"].values())
     if uses_c:
-        v[TORCH] = ("torch", True)
+        v[TORCH] = {"c_rows": 0}
         if model.dtype == torch.float32 and c_block.load_library() is not None:
-            v[PYTORCH_BLOCK] = ("auto", False)
+            v[PYTORCH_BLOCK] = {"blocks": False}
     return v
 
 
 def load(dtype: str, quant: str | None):
-    return minillm.load_model(dtype=dtype, quant=quant)
+    return minillm.load_model(dtype=dtype, quant=quant, backend="native")
 
 
 def name_of(dtype: str, quant: str | None) -> str:
@@ -192,7 +192,7 @@ def main() -> None:
     # virtual machine they move from minute to minute, so each round's speeds meet that round's floor
     bandwidths, matmul_rates = [], []
     speeds = {name: [] for name in models}
-    # each format once more with torch's own kernel for every product (`minillm/matvec.py` and the quantized
+    # each format once more with torch's own kernel for every product (`minillm/backends/matvec.py` and the quantized
     # layers send a decode's few rows through C loops where this machine measured them faster), and float32
     # activations once more with the C products but the block as PyTorch operators (`minillm/c_block.py`)
     modes = {name: variants(m) for name, m in models.items()}
@@ -206,8 +206,8 @@ def main() -> None:
         speeds["llama.cpp"] = []
     for rnd in tqdm(range(args.rounds + 1), desc="rounds", file=sys.stderr):   # round 0 warms up
         for name, m in models.items() if not args.engine_only else ():
-            for suffix, (mode, block) in modes[name].items():
-                with matvec.using(mode), c_block.using(block):
+            for suffix, setting in modes[name].items():
+                with settings(m, **setting):
                     p = params if rnd else SamplingParams(max_tokens=4)
                     tps = generate(m, tok, ids, p, stage="kv").decode_tokens_per_s
                 if rnd:
@@ -245,20 +245,18 @@ def main() -> None:
     llama = {"decode_tokens_per_s": statistics.median(speeds["llama.cpp"]), "runs": speeds["llama.cpp"]} if peer else None
     backends = ["cpu", "torch"] if cpu_kernel.available() else ["torch"]
     unpacked = engine_split(base, decoding_engine(base, tok, attention=backends[0]))   # F.linear's products
-    race = packed.pack_model(base)                                # as `serve` does: oneDNN's packed weights
-    busy = {b: decoding_engine(base, tok, attention=b) for b in backends}     # at the same contexts, used twice
-    splits = {b: engine_split(base, e) for b, e in busy.items()}
+    packed = apply_backend(base, "native", pack_weights=True)     # as `serve` does: oneDNN's packed weights
+    busy = {b: decoding_engine(packed, tok, attention=b) for b in backends}   # at the same contexts, used twice
+    splits = {b: engine_split(packed, e) for b, e in busy.items()}
     for e in [*splits.values(), unpacked]:
         e["fraction_of_matmul_rate"] = e["step_flops"] / (e["wall_ms"] / 1e3) / matmul_rate
     engine = splits[backends[0]] | {"by_attention": alternated_steps(busy, args.rounds)}
     engine["torch_split"] = splits["torch"] if "cpu" in splits else None
-    engine["packed_weights"] = race
+    engine["packed_weights"] = report(packed)["kernels"]["float32 products"]
     engine["unpacked_split"] = unpacked
-    packed.unpack_model(base)
     print(json.dumps({"machine": machine_info(), "copy_bytes_per_s": copy_bw, "matmul_flops_per_s": matmul_rate,
                       "copy_bytes_per_s_runs": bandwidths, "matmul_flops_per_s_runs": matmul_rates,
-                      "matvec_choice": {str(d).removeprefix("torch."): matvec.choice(d) for d in matvec.DTYPES},
-                      "c_loops": {name: m.c_loops for name, m in models.items() if m.c_loops},
+                      "backend": {name: report(m) for name, m in models.items()},
                       "prompt_tokens": len(ids), "rounds": args.rounds,
                       "refused": {k: refusal(q) for k, q in gate.items() if q and not q["within_bound"]},
                       "formats": results, "llama.cpp": llama, "engine": engine}, indent=1))

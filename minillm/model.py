@@ -1,5 +1,8 @@
 """A Llama-family transformer in plain PyTorch (SmolLM2, Llama 2/3, Mistral shapes).
 
+This is the reference every stage runs and every backend is checked against: PyTorch's operators only.
+Faster kernels for a device are swapped in from outside, on a copy (`backends/`).
+
     ids -> tok_emb -> n_layers x [x + Attn(RMSNorm(x)); x + SwiGLU(RMSNorm(x))] -> RMSNorm -> lm_head -> logits
 
 Attention is the one part that changes from stage to stage, so the model does not do it
@@ -24,10 +27,8 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from . import c_block
 from .attention import naive_attention
 from .config import ModelConfig
-from .matvec import linear
 
 
 class RMSNorm(nn.Module):
@@ -70,20 +71,12 @@ def apply_rope(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.T
     return out if out.dtype == x.dtype else out.to(x.dtype)
 
 
-class Linear(nn.Linear):
-    """nn.Linear (no bias) whose few-row products on a CPU may stream through a C loop (`matvec.py`): a
-    decode step's, where this machine measured that loop faster than torch's kernel. The same product."""
-
-    def forward(self, x):
-        return linear(x, self.weight) if self.bias is None else super().forward(x)
-
-
 class Attention(nn.Module):
     def __init__(self, cfg: ModelConfig):
         super().__init__()
         self.n_heads, self.n_kv, self.hd = cfg.n_heads, cfg.n_kv_heads, cfg.head_dim
-        self.wqkv = Linear(cfg.d_model, (cfg.n_heads + 2 * cfg.n_kv_heads) * cfg.head_dim, bias=False)
-        self.wo = Linear(cfg.n_heads * cfg.head_dim, cfg.d_model, bias=False)
+        self.wqkv = nn.Linear(cfg.d_model, (cfg.n_heads + 2 * cfg.n_kv_heads) * cfg.head_dim, bias=False)
+        self.wo = nn.Linear(cfg.n_heads * cfg.head_dim, cfg.d_model, bias=False)
 
     def qkv(self, x, cos, sin):
         """x (B, T, d) -> q (B, H, T, hd), k and v (B, n_kv, T, hd): one product, RoPE on q and k."""
@@ -104,8 +97,8 @@ class MLP(nn.Module):
 
     def __init__(self, cfg: ModelConfig):
         super().__init__()
-        self.w_gate_up = Linear(cfg.d_model, 2 * cfg.ffn_dim, bias=False)
-        self.w_down = Linear(cfg.ffn_dim, cfg.d_model, bias=False)
+        self.w_gate_up = nn.Linear(cfg.d_model, 2 * cfg.ffn_dim, bias=False)
+        self.w_down = nn.Linear(cfg.ffn_dim, cfg.d_model, bias=False)
 
     def forward(self, x):
         gate, up = self.w_gate_up(x).chunk(2, dim=-1)  # (B, T, ffn) each
@@ -124,22 +117,13 @@ class Block(nn.Module):
         self.mlp = MLP(cfg)
 
     def forward(self, x, cos, sin, attn, layer=0):
-        fused = c_block.layer(self, x, cos, sin, attn, layer)          # a decode's few rows, a cache C can read
-        if fused is not None:
-            return fused
         q, k, v = self.before_attention(x, cos, sin)
         return self.after_attention(x, attn.attend(layer, q, k, v))
 
     def before_attention(self, x, cos, sin):
-        fused = c_block.before_attention(self, x, cos, sin)               # a decode's few rows: one C call
-        if fused is not None:
-            return fused
         return self.attn.qkv(self.attn_norm(x), cos, sin)
 
     def after_attention(self, x, out):
-        fused = c_block.after_attention(self, x, out)
-        if fused is not None:
-            return fused
         x = x + self.attn.output(out)
         return x + self.mlp(self.ffn_norm(x))
 
@@ -157,7 +141,6 @@ class FullAttention:
 
 class Transformer(nn.Module):
     quant: str | None = None   # the weights' format when quantized (`quant/apply.py`)
-    c_loops: dict = {}         # what quantize_model measured of the C loops for quantized layers (`matvec.race`)
 
     def __init__(self, cfg: ModelConfig, attn_fn=naive_attention):
         super().__init__()
@@ -167,7 +150,7 @@ class Transformer(nn.Module):
         self.layers = nn.ModuleList(Block(cfg) for _ in range(cfg.n_layers))
         self.norm = RMSNorm(cfg.d_model, cfg.rms_eps)
         if not cfg.tie_embeddings:
-            self.lm_head = Linear(cfg.d_model, cfg.vocab_size, bias=False)
+            self.lm_head = nn.Linear(cfg.d_model, cfg.vocab_size, bias=False)
 
     @property
     def device(self) -> torch.device:
@@ -208,7 +191,7 @@ class Transformer(nn.Module):
         x = self.norm(x)
         if "lm_head" in self._modules:   # untied, or a quantized head (`quant/`)
             return self.lm_head(x).float()                                        # (B, T, vocab)
-        return linear(x, self.tok_emb.weight).float()                             # the tied head
+        return F.linear(x, self.tok_emb.weight).float()                           # the tied head
 
     def num_parameters(self) -> int:
         return sum(p.numel() for p in self.parameters())

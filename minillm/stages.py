@@ -30,6 +30,7 @@ import torch
 
 from .attention import sdpa_attention
 from .attention.paged import PagedAttention, check_backend
+from .backends import backend_of
 from .kv import BlockPool, CachedAttention, KVCache
 from .kv.manager import KVCacheManager, Sequence
 from .kv.quantized import check_kv_dtype
@@ -218,7 +219,8 @@ class PagedRunner(_Runner):
                  kv_cache_dtype: str | None = None, attention: str = "triton"):
         check_kv_dtype(kv_cache_dtype)
         self.model, self.kv_dtype = model, kv_cache_dtype
-        self.attention = check_backend(attention, model.device.type == "cuda", "stage paged")
+        self.attention = check_backend(attention, model.device.type == "cuda", "stage paged",
+                                       native=backend_of(model) == "native")
         self.max_len = min(max_len or model.cfg.max_seq_len, model.cfg.max_seq_len)
         self.block_size, self.num_blocks = block_size, num_blocks
         self.kv: KVCacheManager | None = None

@@ -1,5 +1,5 @@
 """A block's two halves in one C call each, and the whole block with attention over a contiguous cache
-(`minillm/c_block.py`): the same numbers as the block's own PyTorch code for every weight format it takes,
+(`minillm/backends/c_block.py`): the same numbers as the block's own PyTorch code for every weight format it takes,
 the cases it leaves to PyTorch, and the 4-bit file's greedy tokens equal to the same weights' float32
 arithmetic."""
 import copy
@@ -7,9 +7,12 @@ import copy
 import pytest
 import torch
 
-from minillm import c_block, matvec
+from torch import nn
+
+from minillm.backends import apply_backend, c_block, matvec
+from minillm.backends.native import c_layers, settings
 from minillm.config import ModelConfig
-from minillm.model import Linear, Transformer, rope_tables
+from minillm.model import Transformer, rope_tables
 from minillm.attention import naive_attention
 from minillm.kv import CachedAttention, KVCache
 from minillm.quant.apply import LINEARS, quantize_model
@@ -19,12 +22,20 @@ needs_c = pytest.mark.skipif(c_block.load_library() is None, reason="no C compil
 CFG = ModelConfig(n_layers=2, d_model=128, n_heads=4, n_kv_heads=2, head_dim=32, ffn_dim=96, vocab_size=256)
 
 
-def tiny(quant):
+def tiny(quant, backend="native"):
+    """The tiny model (quantized), with the native backend's C layers and blocks, every product forced into
+    C whatever this machine measured (each test makes its own model)."""
     torch.manual_seed(0)
     m = Transformer(CFG).eval().requires_grad_(False)
     for p in m.parameters():
         p.data.normal_(0, 0.2)
-    return quantize_model(m, quant, progress=False) if quant else m
+    m = quantize_model(m, quant, progress=False) if quant else m
+    if backend == "torch":
+        return m
+    m = apply_backend(m, backend)
+    for layer in c_layers(m):
+        layer.c_rows = matvec.MAX_ROWS
+    return m
 
 
 def inputs(B, T, seed=0):
@@ -42,12 +53,12 @@ def inputs(B, T, seed=0):
 @pytest.mark.parametrize("B, T", [(1, 1), (1, 3), (4, 1), (2, 4)])
 @torch.inference_mode()
 def test_halves_match_the_blocks_own_code(quant, B, T):
-    block = tiny(quant).layers[1]
+    m = tiny(quant)
+    block = m.layers[1]
     x, cos, sin, out = inputs(B, T)
-    with matvec.using("c"):                   # the same products either way: what differs is the rest
-        with c_block.using(False):
-            ref = [*block.before_attention(x, cos, sin), block.after_attention(x, out)]
-        got = [*c_block.before_attention(block, x, cos, sin), c_block.after_attention(block, x, out)]
+    with settings(m, blocks=False):           # the same products either way: what differs is the rest
+        ref = [*block.before_attention(x, cos, sin), block.after_attention(x, out)]
+    got = [*c_block.before_attention(block, x, cos, sin), c_block.after_attention(block, x, out)]
     for a, b in zip(ref, got):
         assert a.shape == b.shape
         torch.testing.assert_close(b, a, rtol=1e-4, atol=1e-4)
@@ -59,17 +70,16 @@ def test_what_it_leaves_to_pytorch():
     m = tiny(None)
     block = m.layers[0]
     x, cos, sin, _ = inputs(1, 1)
-    with matvec.using("c"):
-        assert c_block.before_attention(block, x, cos, sin) is not None
-        assert c_block.before_attention(block, x.bfloat16(), cos, sin) is None          # float32 only
-        x9, cos9, sin9, _ = inputs(1, 9)
-        assert c_block.before_attention(block, x9, cos9, sin9) is None                 # more rows than 8
-        with c_block.using(False):
-            assert c_block.before_attention(block, x, cos, sin) is None
-    with matvec.using("torch"):
+    assert c_block.before_attention(block, x, cos, sin) is not None
+    assert c_block.before_attention(block, x.bfloat16(), cos, sin) is None          # float32 only
+    x9, cos9, sin9, _ = inputs(1, 9)
+    assert c_block.before_attention(block, x9, cos9, sin9) is None                 # more rows than 8
+    with settings(m, blocks=False):
         assert c_block.before_attention(block, x, cos, sin) is None
-    w8a8 = quantize_model(tiny(None), "w8a8", progress=False)                          # no C product for it
-    with matvec.using("c"):
+    with settings(m, c_rows=0):                                                    # torch's products
+        assert c_block.before_attention(block, x, cos, sin) is None
+    w8a8 = apply_backend(quantize_model(tiny(None, "torch"), "w8a8", progress=False), "native")
+    with settings(w8a8, c_rows=matvec.MAX_ROWS):                                   # no C product for it
         assert c_block.before_attention(w8a8.layers[0], x, cos, sin) is None
 
 
@@ -78,10 +88,9 @@ def test_what_it_leaves_to_pytorch():
 def test_a_replaced_weight_is_described_again():
     block = tiny(None).layers[0]
     x, cos, sin, _ = inputs(1, 1)
-    with matvec.using("c"):
-        before = c_block.before_attention(block, x, cos, sin)[0].clone()
-        block.attn.wqkv.weight = torch.nn.Parameter(block.attn.wqkv.weight * 2, requires_grad=False)
-        after = c_block.before_attention(block, x, cos, sin)[0]
+    before = c_block.before_attention(block, x, cos, sin)[0].clone()
+    block.attn.wqkv.weight = torch.nn.Parameter(block.attn.wqkv.weight * 2, requires_grad=False)
+    after = c_block.before_attention(block, x, cos, sin)[0]
     torch.testing.assert_close(after, 2 * before, rtol=1e-5, atol=1e-5)                # RoPE is linear
 
 
@@ -96,11 +105,11 @@ def test_the_whole_block_matches_pytorch_and_fills_the_same_cache(quant, B, T, m
     g = torch.Generator().manual_seed(B * 10 + T)
     prompt, new = torch.randint(0, 256, (B, 6), generator=g).tolist(), torch.randint(0, 256, (B, T), generator=g)
     calls = []
-    monkeypatch.setattr(c_block, "_call", lambda name, *a, real=c_block._call: calls.append(name) or real(name, *a))
+    monkeypatch.setattr(c_block, "_call", lambda name, real=c_block._call, **a: calls.append(name) or real(name, **a))
     got = {}
     for on in (True, False):
         runner = KVCacheRunner(m, max_len=16)
-        with matvec.using("c"), c_block.using(on):
+        with settings(m, blocks=on):
             runner.prefill_batch(prompt)
             got[on] = (runner._forward(new), runner.cache.k.clone(), runner.cache.v.clone())
     assert calls.count("block_layer") == CFG.n_layers * (1 + (B == 1))      # this step, and a 1 x 6 prompt
@@ -136,10 +145,10 @@ def as_float32(model):
     for block in f.layers:
         for part, name in LINEARS:
             q = getattr(getattr(block, part), name)
-            layer = Linear(q.in_features, q.out_features, bias=False)
+            layer = nn.Linear(q.in_features, q.out_features, bias=False)
             layer.weight = torch.nn.Parameter(q.dequantize(), requires_grad=False)
             setattr(getattr(block, part), name, layer)
-    head = Linear(f.lm_head.in_features, f.lm_head.out_features, bias=False)
+    head = nn.Linear(f.lm_head.in_features, f.lm_head.out_features, bias=False)
     head.weight = torch.nn.Parameter(f.lm_head.dequantize(), requires_grad=False)
     f.lm_head = head
     return f
@@ -153,11 +162,11 @@ def test_the_4bit_file_gives_its_float32_arithmetics_tokens(quantized, tokenizer
     from minillm.generate import generate
     from minillm.sampling import SamplingParams
 
-    q4 = quantized["q4_file"]
-    ref_model = as_float32(q4)
+    ref_model = as_float32(quantized["q4_file"])
+    q4 = apply_backend(quantized["q4_file"], "native")
     params = SamplingParams(max_tokens=32)
     for text in ["The history of the printing press begins in", "def fibonacci(n):"]:
         ids = tokenizer.encode(text)
-        with matvec.using("c"):
+        with settings(q4, c_rows=matvec.MAX_ROWS, blocks=True):
             assert (generate(q4, tokenizer, ids, params, stage="kv").token_ids
                     == generate(ref_model, tokenizer, ids, params, stage="naive").token_ids)

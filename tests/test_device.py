@@ -48,8 +48,8 @@ def test_the_interpreter_only_without_a_gpu(monkeypatch, gpu):
 def test_load_model_puts_the_model_on_the_default_device(monkeypatch, has_gpu, where):
     moved = []
     monkeypatch.setattr(torch.cuda, "is_available", lambda: has_gpu)
-    monkeypatch.setattr(minillm, "load_state", lambda path, dtype: (None, None, None))
-    monkeypatch.setattr(minillm, "build_model", lambda cfg, state, **kw: tiny_model())
+    monkeypatch.setattr(minillm.loading, "load_state", lambda path, dtype: (None, None, None))
+    monkeypatch.setattr(minillm.loading, "build_model", lambda cfg, state, **kw: tiny_model())
     monkeypatch.setattr(minillm.Transformer, "to", lambda self, device: moved.append(device) or self)
     minillm.load_model()
     assert moved == [torch.device(where)]

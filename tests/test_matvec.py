@@ -1,10 +1,13 @@
-"""The few-row matrix product in C (`minillm/matvec.c`): against float64 on ragged shapes, what it leaves to
-torch, and the real model's greedy tokens with it forced on."""
+"""The few-row matrix product in C (`minillm/backends/matvec.c`): against float64 on ragged shapes, what the
+native backend's layers leave to torch, and the real model's greedy tokens with it forced on."""
 import pytest
 import torch
 import torch.nn.functional as F
+from torch import nn
 
-from minillm import matvec
+from minillm.backends import apply_backend, matvec, races
+from minillm.backends.layers import CLinear
+from minillm.backends.native import settings
 
 needs_c = pytest.mark.skipif(matvec.load_library() is None, reason="no C compiler builds the matvec loop here")
 
@@ -33,35 +36,37 @@ def test_bfloat16_weights(rows):
     torch.testing.assert_close(got.double(), x.double() @ w.double().T, rtol=1e-2, atol=5e-2)   # bfloat16's rounding
 
 
+def c_linear(w: torch.Tensor, c_rows: int) -> CLinear:
+    layer = nn.Linear(w.shape[1], w.shape[0], bias=False)
+    layer.weight = nn.Parameter(w, requires_grad=w.requires_grad)
+    return CLinear.adopt(layer, c_rows)
+
+
 @needs_c
 def test_linear_sends_only_what_the_loop_takes():
     g = torch.Generator().manual_seed(0)
     w = torch.randn(64, 576, generator=g)
-    with matvec.using("c"):
-        x = torch.randn(2, 1, 576, generator=g)                          # (B, T, in): leading dims kept
-        assert matvec.linear(x, w).shape == (2, 1, 64)
-        torch.testing.assert_close(matvec.linear(x, w), F.linear(x, w), rtol=1e-5, atol=1e-5)
-        for x in (torch.randn(9, 576, generator=g),                      # more rows than MAX_ROWS (8)
-                  torch.randn(1, 50, generator=g)):                      # in_features not a multiple of 16
-            wx = torch.randn(64, x.shape[1], generator=g)
-            assert torch.equal(matvec.linear(x, wx), F.linear(x, wx))    # torch's kernel, bit for bit
-        wg = w.clone().requires_grad_()
-        y = matvec.linear(torch.randn(1, 576, generator=g), wg)          # autograd needs torch's op
-        y.sum().backward()
-        assert wg.grad is not None
-    with matvec.using("torch"):
-        x = torch.randn(1, 576, generator=g)
-        assert torch.equal(matvec.linear(x, w), F.linear(x, w))
+    layer = c_linear(w, matvec.MAX_ROWS)                                 # forced on: up to 8 rows in C
+    x = torch.randn(2, 1, 576, generator=g)                              # (B, T, in): leading dims kept
+    assert layer(x).shape == (2, 1, 64)
+    torch.testing.assert_close(layer(x), F.linear(x, w), rtol=1e-5, atol=1e-5)
+    for x in (torch.randn(9, 576, generator=g),                          # more rows than MAX_ROWS (8)
+              torch.randn(1, 50, generator=g)):                          # in_features not a multiple of 16
+        wx = torch.randn(64, x.shape[1], generator=g)
+        assert torch.equal(c_linear(wx, matvec.MAX_ROWS)(x), F.linear(x, wx))   # torch's kernel, bit for bit
+    wg = c_linear(w.clone().requires_grad_(), matvec.MAX_ROWS)
+    y = wg(torch.randn(1, 576, generator=g))                             # autograd needs torch's op
+    y.sum().backward()
+    assert wg.weight.grad is not None
+    x = torch.randn(1, 576, generator=g)
+    assert torch.equal(c_linear(w, 0)(x), F.linear(x, w))                # off: torch's kernel
 
 
-def test_choice_and_modes():
-    with pytest.raises(ValueError, match="'auto', 'c' or 'torch'"):
-        with matvec.using("fast"):
-            pass
-    assert matvec.choice(torch.float16) is None                          # not a dtype the loop takes
-    c = matvec.choice(torch.float32)
+def test_the_race_result():
+    assert races.float_products(torch.float16) is None                  # not a dtype the loop takes
+    c = races.float_products(torch.float32)
     if matvec.load_library() is not None:
-        assert set(c) == {"torch_ms_1", "c_ms_1", "torch_ms_8", "c_ms_8", "bytes", "use_c", "max_rows"}
+        assert set(c) == {"torch_ms_1", "c_ms_1", "torch_ms_8", "c_ms_8", "bytes", "use_c", "max_rows", "remembered"}
         assert c["c_ms_1"] > 0 and c["max_rows"] in (0, 4, 8) and c["use_c"] == (c["max_rows"] > 0)
 
 
@@ -73,11 +78,12 @@ def test_kv_stage_with_the_loop_gives_the_naive_tokens(model, tokenizer):
     from minillm.sampling import SamplingParams
 
     params = SamplingParams(max_tokens=32)
+    fast = apply_backend(model, "native")
     for text in ["The history of the printing press begins in", "def fibonacci(n):"]:
         ids = tokenizer.encode(text)
         naive = generate(model, tokenizer, ids, params, stage="naive").token_ids
-        with matvec.using("c"):
-            assert generate(model, tokenizer, ids, params, stage="kv").token_ids == naive
+        with settings(fast, c_rows=matvec.MAX_ROWS, blocks=False):
+            assert generate(fast, tokenizer, ids, params, stage="kv").token_ids == naive
 
 
 @needs_c
@@ -113,22 +119,26 @@ def test_q4_tiles_layout():
 
 @needs_c
 def test_race_and_quantized_layers_choose_by_measurement():
-    """quantize_model times the model's own int8 and Q4_1 layers against torch's kernels and gives each
-    layer the row count the C loops won up to; `using` forces either side."""
+    """The native backend times a model's own int8 and Q4_1 layers against torch's kernels and gives each
+    layer the row count the C loops won up to; `settings` forces either side."""
     from minillm.config import ModelConfig
     from minillm.model import Transformer
     from minillm.quant.apply import quantize_model
 
     calls = []
-    r = matvec.race({"torch": lambda rows: calls.append(("torch", rows)), "c": lambda rows: calls.append(("c", rows))},
-                    rounds=2)
+    r = races.race({"torch": lambda rows: calls.append(("torch", rows)), "c": lambda rows: calls.append(("c", rows))},
+                   rounds=2)
     assert {"torch_ms_1", "c_ms_1", "torch_ms_8", "c_ms_8", "use_c", "max_rows"} <= set(r)
     assert calls[:2] == [("torch", 1), ("c", 1)] and len(calls) == 12       # turns, a warm-up round each
     cfg = ModelConfig(n_layers=1, d_model=64, n_heads=2, n_kv_heads=1, head_dim=32, ffn_dim=64, vocab_size=96)
-    m = quantize_model(Transformer(cfg).eval().requires_grad_(False), "q4", progress=False)
-    assert set(m.c_loops) == {"int8", "q4_1"}
+    plain = quantize_model(Transformer(cfg).eval().requires_grad_(False), "q4", progress=False)
+    m = apply_backend(plain, "native", remember=False)
+    kernels = m.backend_report["kernels"]
+    assert {"int8 products", "q4_1 products"} <= set(kernels)
     layer = m.layers[0].mlp.w_down
-    assert layer.c_rows == m.c_loops["q4_1"]["max_rows"] and m.lm_head.c_rows == m.c_loops["int8"]["max_rows"]
+    assert layer.c_rows == kernels["q4_1 products"]["measured"]["max_rows"]
+    assert m.lm_head.c_rows == kernels["int8 products"]["measured"]["max_rows"]
+    assert not hasattr(plain.layers[0].mlp.w_down, "c_tiles")              # the plain model stays plain
     x = torch.randn(1, 64)
-    with matvec.using("c"):
+    with settings(m, c_rows=matvec.MAX_ROWS):
         torch.testing.assert_close(layer(x), F.linear(x, layer.dequantize()), rtol=1e-5, atol=1e-5)

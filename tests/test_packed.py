@@ -1,10 +1,14 @@
-"""oneDNN's packed weights for the engine's big CPU steps (`minillm/packed.py`): the same products as
+"""oneDNN's packed weights for the engine's big CPU steps (`minillm/backends/packed.py`): the same products as
 F.linear, dropped when the weight changes, left out for few rows, and the engine's greedy tokens unchanged."""
 import pytest
 import torch
 import torch.nn.functional as F
 
-from minillm import packed
+from torch import nn
+
+from minillm.backends import apply_backend, packed
+from minillm.backends.layers import CLinear
+from minillm.backends.native import c_layers
 from minillm.config import ModelConfig
 from minillm.engine import LLMEngine
 from minillm.generate import generate
@@ -27,46 +31,59 @@ def test_packed_products_match_f_linear(dtype, x_shape, w_shape):
     torch.testing.assert_close(got, F.linear(x, w), rtol=tol, atol=tol * 10)
 
 
+def float_layers(m):
+    return [layer for layer in c_layers(m) if isinstance(layer, CLinear)]
+
+
+def pack_all(m):
+    """Pack every float layer of a native model, whatever this machine measured (checked all the same)."""
+    for layer in float_layers(m):
+        layer.pack()
+
+
 @needs_onednn
 def test_a_packing_is_used_only_while_it_holds():
     w = torch.randn(32, 64)
+    layer = nn.Linear(64, 32, bias=False)
+    layer.weight = nn.Parameter(w, requires_grad=False)
+    layer = CLinear.adopt(layer, c_rows=0)
     x = torch.randn(16, 64)
-    assert packed.linear(x, w) is None                               # never packed
-    packed.keep(w)
-    torch.testing.assert_close(packed.linear(x, w), F.linear(x, w), rtol=1e-4, atol=1e-4)
-    assert packed.linear(x[:8], w) is None                           # few rows: the C loops' or F.linear's
-    assert packed.linear(x.bfloat16(), w) is None                    # another dtype
-    assert packed.linear(x, w.clone()) is None                       # another tensor
-    w.mul_(2)                                                        # written in place: the packing is stale
-    assert packed.linear(x, w) is None
-    packed.keep(w)
-    torch.testing.assert_close(packed.linear(x, w), F.linear(x, w), rtol=1e-4, atol=1e-4)
-    key = id(w)
-    del w                                                            # freed: the packing goes with it
-    assert key not in packed._packs
+    assert layer.packing is None                                     # never packed: F.linear
+    layer.pack()
+    torch.testing.assert_close(layer(x), F.linear(x, w), rtol=1e-4, atol=1e-4)
+    calls = []
+    real = packed.product
+    packed.product = lambda *a: calls.append(1) or real(*a)
+    try:
+        layer(x)
+        layer(x[:8])                                                 # few rows: the C loops' or F.linear's
+        assert len(calls) == 1
+        layer.weight.mul_(2)                                         # written in place: the packing is stale
+        torch.testing.assert_close(layer(x), F.linear(x, layer.weight), rtol=1e-4, atol=1e-4)
+        assert len(calls) == 1 and layer.packing is None
+    finally:
+        packed.product = real
     with torch.inference_mode(), pytest.raises(ValueError, match="inference tensor"):
-        packed.keep(torch.randn(32, 64))
+        inf = nn.Linear(64, 32, bias=False)
+        inf.weight = nn.Parameter(torch.randn(32, 64), requires_grad=False)
+        CLinear.adopt(inf, 0).pack()
 
 
 @needs_onednn
-def test_pack_model_measures_and_packs_every_float_weight():
+def test_the_native_backend_packs_every_float_weight_where_asked():
     torch.manual_seed(0)
-    m = Transformer(ModelConfig(n_layers=2, d_model=64, n_heads=4, n_kv_heads=2, head_dim=16, ffn_dim=96,
-                                vocab_size=128)).eval().requires_grad_(False)
-    try:
-        result = packed.pack_model(m, force=True)
-        assert {"rows", "torch_ms", "packed_ms", "use_packed"} <= set(result) and m.packed is result
-        weights = packed.float_weights(m)
-        assert len(weights) == 2 * 4 + 1                                 # four per block, and the tied head
-        assert all(id(w) in packed._packs for w in weights)
-        ids = torch.randint(0, 128, (2, 12))
-        with torch.inference_mode():
-            on = m(ids)
-            packed.unpack_model(m)
-            assert not any(id(w) in packed._packs for w in weights)
-            torch.testing.assert_close(on, m(ids), rtol=1e-4, atol=1e-4)
-    finally:
-        packed.unpack_model(m)
+    plain = Transformer(ModelConfig(n_layers=2, d_model=64, n_heads=4, n_kv_heads=2, head_dim=16, ffn_dim=96,
+                                    vocab_size=128)).eval().requires_grad_(False)
+    m = apply_backend(plain, "native", pack_weights=True)
+    said = m.backend_report["kernels"]["float32 products"]["chosen"]
+    assert "64 rows: packed" in said
+    assert len(float_layers(m)) == 2 * 4 + 1                               # four per block, and the tied head
+    assert apply_backend(plain, "native").lm_head.packing is None          # not asked: no second copy
+    pack_all(m)
+    assert all(layer.packing is not None for layer in float_layers(m))
+    ids = torch.randint(0, 128, (2, 12))
+    with torch.inference_mode():
+        torch.testing.assert_close(m(ids), plain(ids), rtol=1e-4, atol=1e-4)
 
 
 @needs_onednn
@@ -78,39 +95,33 @@ def test_an_engine_with_packed_weights_gives_the_naive_tokens(model, tokenizer):
              "The three primary colors are", "Once upon a time"] * 2
     prompts = [tokenizer.encode(t) for t in texts]
     params = SamplingParams(max_tokens=8, ignore_eos=True)
-    try:
-        engine = LLMEngine(model, tokenizer, kv_cache_memory=64 << 20, pack_weights=True)
-        if not engine.packed["use_packed"]:
-            packed.pack_model(model, force=True)                         # slower here, but checked all the same
-        for i, p in enumerate(prompts):
-            engine.add_request(i, p, params)
-        outs = {}
-        while engine.has_unfinished_requests():
-            for o in engine.step():
-                if o.finished:
-                    outs[o.request_id] = o.token_ids
-        for i, p in enumerate(prompts[:6]):
-            assert outs[i] == outs[i + 6] == generate(model, tokenizer, p, params, stage="naive").token_ids
-    finally:
-        packed.unpack_model(model)
+    fast = apply_backend(model, "native", pack_weights=True)
+    pack_all(fast)                                                       # where slower here, checked all the same
+    engine = LLMEngine(fast, tokenizer, kv_cache_memory=64 << 20)
+    for i, p in enumerate(prompts):
+        engine.add_request(i, p, params)
+    outs = {}
+    while engine.has_unfinished_requests():
+        for o in engine.step():
+            if o.finished:
+                outs[o.request_id] = o.token_ids
+    for i, p in enumerate(prompts[:6]):
+        assert outs[i] == outs[i + 6] == generate(model, tokenizer, p, params, stage="naive").token_ids
 
 
 def test_weights_of_a_dtype_this_cpu_cannot_pack_stay_plain(monkeypatch):
-    """oneDNN refuses bfloat16 weights on an AVX2-only CPU: a bfloat16 model is then left as it is (and serves
-    through F.linear), never an error. Pretended here on any CPU, then checked for real on this one."""
+    """oneDNN refuses bfloat16 weights on an AVX2-only CPU: a bfloat16 model then keeps its plain weights (and
+    serves through F.linear), never an error. Pretended here on any CPU, then checked for real on this one."""
     torch.manual_seed(0)
-    m = Transformer(ModelConfig(n_layers=1, d_model=64, n_heads=4, n_kv_heads=2, head_dim=16, ffn_dim=96,
-                                vocab_size=128)).eval().requires_grad_(False).to(torch.bfloat16)
+    plain = Transformer(ModelConfig(n_layers=1, d_model=64, n_heads=4, n_kv_heads=2, head_dim=16, ffn_dim=96,
+                                    vocab_size=128)).eval().requires_grad_(False).to(torch.bfloat16)
     monkeypatch.setattr(packed, "packs", lambda dtype: dtype == torch.float32)
-    assert packed.float_weights(m) == [] and packed.pack_model(m, force=True) is None
-    assert "packed" not in m.__dict__
+    m = apply_backend(plain, "native", pack_weights=True)
+    assert "packed" not in m.backend_report["kernels"]["bfloat16 products"]["chosen"]
+    assert all(layer.packing is None for layer in float_layers(m))
     monkeypatch.undo()
-    result = packed.pack_model(m, force=True)
-    try:
-        assert (result is not None) == packed.packs(torch.bfloat16)
-        x = torch.randn(16, 64, dtype=torch.bfloat16)
-        w = m.layers[0].attn.wqkv.weight
-        got = packed.linear(x, w)
-        assert (got is not None) == packed.packs(torch.bfloat16)
-    finally:
-        packed.unpack_model(m)
+    m = apply_backend(plain, "native", pack_weights=True)
+    said = m.backend_report["kernels"]["bfloat16 products"]["chosen"]
+    assert ("64 rows: packed" in said) == packed.packs(torch.bfloat16)
+    x = torch.randn(16, 64, dtype=torch.bfloat16)
+    torch.testing.assert_close(m.layers[0].attn.wqkv(x), F.linear(x, plain.layers[0].attn.wqkv.weight))

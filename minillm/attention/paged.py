@@ -14,8 +14,9 @@ pages, with one of two backends:
     "triton"   the kernels of `triton_paged.py`: they read pages in place through the block table
                (`decode_attention` when every sequence brings one token, else `flash_attn_varlen`)
     "cpu"      decodes read in place by a C kernel built on this machine (`cpu_kernel.py`), prefill
-               chunks gathered for SDPA: the engine's choice on a CPU that has a C compiler
-    "torch"    gathered pages + SDPA (`paged_torch.py`): the choice on a CPU without one
+               chunks gathered for SDPA: the choice on a CPU for a model of the native backend (`backends/`)
+               where a C compiler builds the kernel
+    "torch"    gathered pages + SDPA (`paged_torch.py`): the choice for a plain model on a CPU
 """
 from __future__ import annotations
 
@@ -23,26 +24,32 @@ import torch
 
 from ..kv.quantized import QuantizedKV
 from ..triton_support import require_triton
-from . import cpu_kernel
 from .paged_torch import paged_attention, plan_paged_attention, workspace_for
 
 BACKENDS = ("cpu", "torch", "triton")
 
 
-def check_backend(backend: str, on_gpu: bool, what: str = "the triton attention backend") -> str:
-    """"auto" (triton on a GPU; elsewhere cpu where its kernel builds, else torch), "cpu", "torch" or
-    "triton" -> the backend; else ValueError. Triton where it is not installed: TritonUnavailable, naming
-    `what` needs it; "cpu" where no compiler builds its kernel, or on a GPU: ValueError."""
+def check_backend(backend: str, on_gpu: bool, what: str = "the triton attention backend", native: bool = False) -> str:
+    """"auto" (triton on a GPU; on a CPU, cpu for a model of the native backend where its kernel builds, else
+    torch), "cpu", "torch" or "triton" -> the backend; else ValueError. Triton where it is not installed:
+    TritonUnavailable, naming `what` needs it; "cpu" where no compiler builds its kernel, or on a GPU:
+    ValueError."""
     if backend == "auto":
-        backend = "triton" if on_gpu else "cpu" if cpu_kernel.available() else "torch"
+        backend = "triton" if on_gpu else "cpu" if native and _kernel_builds() else "torch"
     if backend not in BACKENDS:
         raise ValueError(f"attention must be 'auto' or one of {BACKENDS}; got {backend!r}")
     if backend == "triton":
         require_triton(what)
-    if backend == "cpu" and (on_gpu or not cpu_kernel.available()):
+    if backend == "cpu" and (on_gpu or not _kernel_builds()):
         raise ValueError("attention='cpu' needs the model on the CPU and a C compiler to build its kernel "
                          "(none worked here: use 'torch')")
     return backend
+
+
+def _kernel_builds() -> bool:
+    from . import cpu_kernel          # imported when asked for: a plain model's stages load no C code
+
+    return cpu_kernel.available()
 
 
 class PagedAttention:
@@ -55,6 +62,8 @@ class PagedAttention:
         slots = [table[p // bs] * bs + p % bs for table, q, k in zip(tables, q_lens, k_lens) for p in range(k - q, k)]
         self.slots = torch.tensor(slots, dtype=torch.long, device=dev)                   # (N,)
         if backend in ("cpu", "torch"):
+            if backend == "cpu":
+                from . import cpu_kernel
             in_place = backend == "cpu" and cpu_kernel.supports(pool.k[0])   # int8/int4 or float16: gathered
             self.plan = plan_paged_attention(q_lens, k_lens, tables, bs, dev, in_place)
             self.workspace = tuple(workspace_for(self.plan, pool.k[0], w) for w in workspace)

@@ -27,7 +27,6 @@ import torch
 import torch.nn.functional as F
 
 from ..kv.quantized import QuantizedKV
-from . import cpu_kernel
 from .sdpa import sdpa_attention
 
 
@@ -122,6 +121,8 @@ def paged_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tenso
     """q (N, H, D) packed queries; k_cache, v_cache (num_blocks, block_size, H_kv, D) -> (N, H, D)."""
     out = torch.empty_like(q)
     if plan.in_place is not None:                                           # decodes: pages read in place
+        from . import cpu_kernel
+
         cpu_kernel.paged_decode(q, k_cache, v_cache, *plan.in_place, out)
     page = k_cache[0].numel()
     for g in plan.groups:

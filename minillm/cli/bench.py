@@ -4,6 +4,7 @@ from __future__ import annotations
 import json
 import sys
 
+from ..backends import report as backend_report
 from .common import check_quality, fail, load
 
 
@@ -21,12 +22,13 @@ def cmd_bench(args) -> None:
         fail("--max-tokens must be >= 2 and --repeats >= 1")
     prompts = load_prompts(args.prompt_file)
     args.stage = stages[0]
-    model, tok, device = load(args)
+    model, tok, device = load(args, say_backend=not args.json)
     quality = check_quality(args, model, device, [prompt_ids(tok, p) for p in prompts])
     peer = load_transformers_peer(args.model) if args.peer == "transformers" else None
     report = run_bench(model, tok, stages, prompts, max_tokens=args.max_tokens, repeats=args.repeats, peer=peer,
                        kv_cache_dtype=args.kv_cache_dtype)
     report["quality"] = quality
+    report["backend"] = backend_report(model)
     if not args.json:
         print(f"{'stage':<12} {'prefill tok/s':>12} {'ttft ms':>9} {'decode tok/s':>13} {'ratio':>6} {'of floor':>9}",
               file=sys.stderr)
@@ -91,7 +93,7 @@ def cmd_bench_serve(args) -> None:
     items = load_workload(args.workload, args.num_requests, args.length_scale, request_rate=args.request_rate,
                           shared_prefix_tokens=args.shared_prefix_tokens)
     args.stage = "continuous"
-    model, tok, device = load(args)
+    model, tok, device = load(args, say_backend=not args.json)
     quality = check_quality(args, model, device, [prompt_ids(tok, p) for p in load_prompts()])   # text, not the
     # workload's random ids: the bounds are for language
     hf = None
@@ -120,4 +122,5 @@ def cmd_bench_serve(args) -> None:
                 "max_output_tokens": max(w.output_len for w in items),
                 "max_num_batched_tokens": args.max_num_batched_tokens,
                 "shared_prefix_tokens": args.shared_prefix_tokens, "prefix_caching": not args.no_prefix_caching}
-    print(json.dumps({"machine": machine_info(), "workload": workload, "results": results, "quality": quality}))
+    print(json.dumps({"machine": machine_info(), "workload": workload, "results": results, "quality": quality,
+                      "backend": backend_report(model)}))

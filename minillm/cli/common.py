@@ -19,8 +19,11 @@ def sampling_params(args):
                           max_tokens=args.max_tokens, stop=tuple(args.stop), seed=args.seed)
 
 
-def load(args):
+def load(args, pack_weights: bool = False, say_backend: bool = False):
+    """The model (quantized, prepared for --backend, compiled as asked), its tokenizer, and the device.
+    say_backend: print which kernels the backend chose (stderr)."""
     from .. import load_model, load_tokenizer
+    from ..backends import apply_backend, describe
     from ..device import pick_device
 
     if args.threads is not None:
@@ -38,6 +41,12 @@ def load(args):
         model = load_model(args.model, device=device, dtype=args.dtype, quant=args.quant)
     except ValueError as e:   # e.g. q4_file with a model that is not a Q4_1 GGUF file
         fail(str(e))
+    try:
+        model = apply_backend(model, getattr(args, "backend", "auto"), pack_weights=pack_weights)
+    except ValueError as e:   # native on a GPU
+        fail(str(e))
+    if say_backend:
+        print("\n".join(describe(model)), file=sys.stderr)
     if args.compile:
         from ..compile import compile_blocks
 

@@ -28,20 +28,24 @@ def _add_model_args(p, stage: bool = True, many: bool = False):
 
 
 def _add_compile_arg(p):
+    p.add_argument("--backend", default="auto", choices=["auto", "torch", "native"],
+                   help="the kernels: torch (PyTorch's operators), native (on a CPU: C loops for a decode's few "
+                        "rows, a block in one C call, the C paged-attention kernel, each where it measures faster "
+                        "here); default auto: native on a CPU, torch on a GPU (minillm/backends/)")
     p.add_argument("--compile", action="store_true",
                    help="compile each block's operators around attention with torch.compile (one compile "
                         "serves every layer; the first steps pay seconds for it, cached on disk); default: eager")
     p.add_argument("--enforce-eager", action="store_true",
                    help="run every step eagerly: no CUDA graphs for decode steps (captured on a GPU by default) "
-                        "and no --compile. The C kernels built on this machine at first use are not turned off "
-                        "by it: MINILLM_NO_CPU_KERNEL=1 does that (and serve's --no-pack-weights the packed weights)")
+                        "and no --compile. The C kernels of the native backend are not turned off by it: "
+                        "--backend torch does that (and serve's --no-pack-weights the packed weights)")
 
 
 def _add_attention_arg(p):
     p.add_argument("--attention", default="auto", choices=["auto", "cpu", "torch", "triton"],
                    help="the engine's paged attention: cpu (a C kernel built here reads pages in place), torch "
                         "(pages gathered for SDPA), triton (the GPU kernels); default auto: triton on a GPU, "
-                        "else cpu where a C compiler builds it, else torch")
+                        "cpu with the native backend where a C compiler builds it, else torch")
 
 
 def _add_precision_args(p):
@@ -113,8 +117,8 @@ def build_parser() -> argparse.ArgumentParser:
     se.add_argument("--max-model-len", type=int, default=None, help="context per request (default: the model's)")
     se.add_argument("--no-prefix-caching", action="store_true", help="turn the prefix cache off")
     se.add_argument("--no-pack-weights", action="store_true",
-                    help="on a CPU, no second copy of the float weights prepacked for big steps (by default "
-                         "made where it measures faster: minillm/packed.py)")
+                    help="on a CPU, no second copy of the float weights prepacked for big steps (by default the "
+                         "native backend makes one where it measures faster: minillm/backends/packed.py)")
     se.add_argument("--max-queued-requests", type=int, default=None,
                     help="answer 503 when this many requests are already waiting (default: no limit)")
     se.add_argument("--max-tokens-default", type=int, default=1024,

@@ -48,7 +48,8 @@ def cmd_serve(args) -> None:
         fail("--route-threshold routes between two models: give two --model NAME=PATH (the cheap one first)")
     engines, where = {}, None
     for name, path, quant in models:
-        model, tok, where = load(Namespace(**{**vars(args), "model": path, "quant": quant or args.quant}))
+        model, tok, where = load(Namespace(**{**vars(args), "model": path, "quant": quant or args.quant}),
+                                 pack_weights=not args.no_pack_weights, say_backend=True)
         try:
             engines[name or model.cfg.name] = LLMEngine(
                 model, tok, max_num_seqs=args.max_num_seqs, max_num_batched_tokens=args.max_num_batched_tokens,
@@ -56,7 +57,7 @@ def cmd_serve(args) -> None:
                 enable_prefix_caching=not args.no_prefix_caching, speculative=args.speculative,
                 num_speculative_tokens=args.num_speculative_tokens, kv_cache_dtype=args.kv_cache_dtype,
                 enforce_eager=args.enforce_eager, adaptive_speculation=args.adaptive_speculation,
-                attention=args.attention, pack_weights=not args.no_pack_weights)
+                attention=args.attention)
         except ValueError as e:   # e.g. --attention cpu where no compiler builds its kernel
             fail(str(e))
     names = list(engines)

@@ -16,7 +16,7 @@ import contextlib
 
 import torch
 
-from .. import c_block, model as model_module
+from .. import model as model_module
 from ..kv.contiguous import KVCache
 from .timing import _quiet_stderr
 
@@ -57,8 +57,8 @@ def _update(self, layer, k, v):
 @contextlib.contextmanager
 def textbook(*names: str):
     """Run the named parts of the step (see VARIANTS) as first written, until the block ends. The variants
-    rewrite the block's PyTorch operators, so inside this every block runs them (`c_block.using(False)`),
-    with or without names: `textbook()` is the step as written, in PyTorch."""
+    rewrite the plain model's PyTorch operators: time them on a model of the torch backend (a native model's
+    blocks run in C and skip them)."""
     unknown = set(names) - set(VARIANTS)
     if unknown:
         raise ValueError(f"unknown variants {sorted(unknown)}: choose from {', '.join(VARIANTS)}")
@@ -70,8 +70,7 @@ def textbook(*names: str):
             model_module.Attention.qkv = _qkv
         if "cache" in names:
             KVCache.update = _update
-        with c_block.using(False):
-            yield
+        yield
     finally:
         model_module.rope_tables, model_module.apply_rope, model_module.Attention.qkv, KVCache.update = saved
 

@@ -20,12 +20,19 @@ from .request import RequestOutput
 
 
 class LLM:
-    def __init__(self, model=None, tokenizer=None, device=None, **engine_options):
+    def __init__(self, model=None, tokenizer=None, device=None, backend: str = "auto", pack_weights: bool = False,
+                 **engine_options):
         """model: None (the course model), a .gguf path or Hugging Face folder, or a loaded Transformer.
         device: where a model loaded from a path runs (default: the GPU when there is one); a loaded
         Transformer runs where it is.
+        backend: "auto" (the fastest measured), "torch" or "native" (`minillm.backends`), applied to a copy
+            of the model's modules: a model given here stays as it was. `self.model` is the prepared one;
+            `describe(llm.model)` says which kernels it got.
+        pack_weights: with the native backend, a second copy of the float weights in oneDNN's layout for big
+            steps, where it measures faster.
         engine_options: LLMEngine's (max_num_seqs, max_num_batched_tokens, kv_cache_memory, policy, ...)."""
-        from .. import load_model, load_tokenizer
+        from ..loading import load_model, load_tokenizer
+        from ..backends import apply_backend
 
         if model is None or isinstance(model, (str, Path)):
             tokenizer = tokenizer or load_tokenizer(model)
@@ -33,7 +40,8 @@ class LLM:
         elif device is not None and torch.device(device).type != model.device.type:
             raise ValueError(f"the model is on {model.device}, not {device}: move it (model.to(device)) or leave "
                              "device out")
-        self.model, self.tokenizer = model, tokenizer or load_tokenizer()
+        self.model = apply_backend(model, backend, pack_weights=pack_weights)
+        self.tokenizer = tokenizer or load_tokenizer()
         self.engine = LLMEngine(self.model, self.tokenizer, **engine_options)
         self._counter = 0
 

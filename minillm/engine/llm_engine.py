@@ -21,7 +21,6 @@ from dataclasses import dataclass
 
 import torch
 
-from .. import packed
 from ..detokenizer import IncrementalDetokenizer
 from ..kv import BlockPool, kv_cache_bytes
 from ..kv.manager import KVCacheManager
@@ -57,7 +56,6 @@ class EngineConfig:
     adaptive_speculation: bool = False      # each request drafts 0..k a step where it pays (speculative/adaptive.py)
     kv_cache_dtype: str | None = None       # None (the model's dtype), "int8", "int4"
     enforce_eager: bool = False             # no CUDA graphs for decode steps (they are captured on a GPU only)
-    pack_weights: bool = False              # a second, prepacked copy of the float weights for big CPU steps (packed.py)
     verbose: bool = True                    # log the KV cache's size at INFO level
 
 
@@ -92,7 +90,6 @@ class LLMEngine:
         self.capacity_tokens = num_blocks * c.block_size
         self.max_len = min(self.max_model_len, self.capacity_tokens)   # longest request that can ever run
         self.runner = runner_cls(model, self.kv, c.attention)
-        self.packed = packed.pack_model(model) if c.pack_weights and model.device.type == "cpu" else None
         self.graph_capture_s = self._capture_decode_graphs() if self._graphs_apply() else None
         if c.adaptive_speculation and c.speculative is None:
             raise ValueError("adaptive_speculation chooses how many tokens a proposer drafts: give speculative=")

@@ -20,6 +20,7 @@ from __future__ import annotations
 import torch
 
 from ..attention.paged import check_backend
+from ..backends import backend_of
 from ..kv.manager import KVCacheManager
 from ..kv.quantized import QuantizedKV
 from ..stages import PagedRunner
@@ -30,7 +31,8 @@ from .scheduler import ScheduledBatch
 class ModelRunner(PagedRunner):
     def __init__(self, model, kv: KVCacheManager, attention: str = "auto"):
         self.model, self.kv = model, kv
-        self.attention = check_backend(attention, kv.pool.device.type == "cuda")
+        self.attention = check_backend(attention, kv.pool.device.type == "cuda",
+                                       native=backend_of(model) == "native")
         self._workspace = (None, None)   # torch backend: gather buffers kept from step to step
         self.graphs: DecodeGraphs | None = None
 

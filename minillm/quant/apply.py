@@ -8,10 +8,8 @@
 The output head (the embedding matrix, tied) is kept at 8 bits in every format, as llama.cpp keeps it:
 it is the layer whose errors reach the logits directly. The embedding lookup reads the same int8 rows.
 
-On a CPU, a decode's few-row products can also run through the C loops of `matvec.c`, which read the int8
-rows and the file's Q4_1 blocks as they are stored and keep the activations in the model's dtype. Whether
-they do is measured on the model's own layers once they are built, against PyTorch's kernels, taking
-turns (`choose_c_loops`; the result is `model.c_loops`).
+On a CPU, the native backend (`backends/`) gives the int8 and Q4_1 layers C loops for a decode's few rows,
+where they measure faster; quantize first, then apply the backend.
 """
 from __future__ import annotations
 
@@ -21,7 +19,6 @@ import torch
 from torch import nn
 from tqdm import tqdm
 
-from .. import matvec
 from .gguf_blocks import Q4Weight, read_q4_1
 from .linear import Int8Linear, Q4Linear, W8A8Linear
 
@@ -56,6 +53,8 @@ def quantize_model(model, quant: str, path: str | Path | None = None, smooth: di
         default: none, plain per-token int8.
     """
     check_format(quant)
+    if model.__dict__.get("backend", "torch") != "torch":
+        raise ValueError("quantize the plain model, then apply the backend (backends.apply_backend)")
     if model.quant:
         raise ValueError(f"the model is already quantized ({model.quant}); load it again to change format")
     device = model.device
@@ -80,36 +79,7 @@ def quantize_model(model, quant: str, path: str | Path | None = None, smooth: di
     if model.cfg.tie_embeddings:   # the lookup shares the head's int8 table: no float copy left
         model.tok_emb = Int8Embedding(head.int8 if quant == "w8a8" else head, model.dtype)
     model.quant = quant
-    model.c_loops = choose_c_loops(model)
     return model
-
-
-def choose_c_loops(model) -> dict:
-    """Time the model's Int8Linear and Q4Linear layers at 1 and 8 rows with PyTorch's kernels and with the C
-    loops, taking turns (`matvec.race`), and give each layer the row count up to which the C loops won.
-    {"int8": race result, "q4_1": ...} for the kinds the model has; {} off the CPU or where nothing builds."""
-    if model.device.type != "cpu" or model.dtype not in matvec.DTYPES or matvec.load_library() is None:
-        return {}
-    used = [getattr(getattr(b, part), name) for b in model.layers for part, name in LINEARS] + [model.lm_head]
-    found = {}
-    for kind, cls in (("int8", Int8Linear), ("q4_1", Q4Linear)):
-        layers = [m for m in used if type(m) is cls and (kind == "q4_1" or m.in_features % 16 == 0)]
-        if not layers:
-            continue
-        xs = {(rows, m.in_features): torch.randn(rows, m.in_features, dtype=model.dtype)
-              for rows in (1, 8) for m in layers}
-
-        def run(mode, layers=layers, xs=xs):
-            def products(rows):
-                with matvec.using(mode):
-                    for m in layers:
-                        m(xs[rows, m.in_features])
-            return products
-
-        found[kind] = matvec.race({"torch": run("torch"), "c": run("c")})
-        for m in layers:
-            m.c_rows = found[kind]["max_rows"]
-    return found
 
 
 def _file_q4_weights(cfg, path) -> dict[str, Q4Weight]:

@@ -43,7 +43,6 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from .. import matvec
 from .gguf_blocks import GROUP, Q4Weight
 
 SMALL_ROWS = 16       # up to this many rows the weight-only kernels beat dequantize + bfloat16 matmul
@@ -121,7 +120,6 @@ class Int8Linear(nn.Module):
         self.register_buffer("scale_bf16", scale.bfloat16())        # what the kernel reads
         self.in_features, self.out_features = q.shape[1], q.shape[0]
         self.many_rows = default_many_rows()
-        self.c_rows = 0     # up to this many rows go to the C loop (`matvec_int8`); set by measurement (apply.py)
         # ATen's AVX-512 int8 kernel reads each row in whole chunks of 16 values: with in_features not a
         # multiple of 16 it reads past the row (wrong sums or a crash, torch 2.13), so it is not even probed
         self.cpu_kernel = (kernel and q.device.type == "cpu" and self.in_features % INT8_KERNEL_CHUNK == 0
@@ -149,8 +147,6 @@ class Int8Linear(nn.Module):
             from .triton_matmul import int8_matmul
             return int8_matmul(x, self.q, self.scale)
         x2 = _rows(x)                                                   # (rows, in)
-        if self.in_features % 16 == 0 and matvec.use_c_for(x2, self.c_rows):
-            return matvec.matvec_int8(x2.contiguous(), self.q, self.scale).view(*x.shape[:-1], self.out_features)
         if self.cpu_kernel and x.device.type == "cpu" and (x2.shape[0] <= SMALL_ROWS or self.many_rows == "kernel"):
             y = self._kernel(x2)
         else:
@@ -272,10 +268,6 @@ class Q4Linear(nn.Module):
         for name in ("packed", "scale", "min"):                                  # the format, as stored
             self.register_buffer(name, getattr(w4, name).to(device))
         self.many_rows = default_many_rows()
-        self.c_rows = 0     # up to this many rows go to the C loop (`matvec_q4_1`); set by measurement (apply.py)
-        if torch.device(device).type == "cpu" and out % 16 == 0 and matvec.load_library() is not None:
-            for name, t in zip(("c_tiles", "c_scale", "c_min"), matvec.q4_tiles(w4.codes(), w4.scale, w4.min)):
-                self.register_buffer(name, t, persistent=False)              # the C loop's copy, in its layout
         self.cpu_kernel = torch.device(device).type == "cpu" and out % 64 == 0   # the kernel packs 64 rows
         if self.cpu_kernel:
             d, m = w4.scale.float(), w4.min.float()                              # (out, in / 32)
@@ -315,9 +307,6 @@ class Q4Linear(nn.Module):
             from .triton_matmul import q4_matmul
             return q4_matmul(x, self.packed, self.scale, self.min)
         x2 = _rows(x)                                                            # (rows, in)
-        if hasattr(self, "c_tiles") and matvec.use_c_for(x2, self.c_rows):     # the file's values, in C
-            y = matvec.matvec_q4_1(x2.contiguous(), self.c_tiles, self.c_scale, self.c_min)
-            return y.view(*x.shape[:-1], self.out_features)
         if self.cpu_kernel and x.device.type == "cpu" and (x2.shape[0] <= SMALL_ROWS or self.many_rows == "kernel"):
             y = self._kernel(x2)                                                 # (rows, out)
         else:

@@ -21,12 +21,12 @@ A proposer may return fewer than k tokens, or none: then the step is a plain dec
 """
 from __future__ import annotations
 
-import copy
 import weakref
 
 import numpy as np
 import torch
 
+from ..backends import apply_backend, backend_of, copy_modules, plain_model
 from ..sampling import SamplingParams, filtered_probs
 
 
@@ -208,10 +208,11 @@ def quantized_copy(model, quant: str):
         raise ValueError(f"the model is already quantized ({model.quant}): a quantized draft of it would not be cheaper")
     copies = _copies.setdefault(model, {})
     if quant not in copies:
-        # A copy of the modules that shares the float parameters (the memo maps each to itself): quantizing
-        # replaces the copy's linear layers and leaves the model's own, and no second float model is made.
-        shell = copy.deepcopy(model, memo={id(p): p for p in model.parameters()})
-        copies[quant] = quantize_model(shell, quant, progress=False)
+        # A copy of the plain model's modules that shares its float parameters: quantizing replaces the copy's
+        # linear layers and leaves the model's own, and no second float model is made. The draft then gets
+        # the model's backend (a model prepared for native drafts with native kernels too).
+        draft = quantize_model(copy_modules(plain_model(model)), quant, progress=False)
+        copies[quant] = apply_backend(draft, backend_of(model)) if backend_of(model) != "torch" else draft
     return copies[quant]
 
 

@@ -15,7 +15,7 @@
                    Codes widen to floats in registers; no bfloat16 round trip.
    K must be a multiple of 16 (of 32 for Q4_1). Built at first use by `native.py`. */
 #include <stdlib.h>
-#include "vec.h"
+#include "../vec.h"
 
 #define ROWS 4       /* weight rows a thread takes at a time */
 #define MAX_M 8      /* rows of x per call */

@@ -9,83 +9,81 @@ the stage's attention context, so every stage can use it. Where the context is s
 in float32 with causal SDPA (`CachedAttention.in_place`), `layer` does the whole block, cache write and
 attention included, in one call: about 30 dispatches of Python per layer become one.
 
-A block takes this path when its activations are float32 rows on a CPU, at most `matvec.MAX_ROWS` of them,
-every weight is float32, int8 rows (`Int8Linear`) or Q4_1 blocks (`Q4Linear`), and the products would run
-in C anyway: where this machine measured the C loops faster for that many rows (`matvec.choice`, and each
-quantized layer's `c_rows`), or under `matvec.using("c")`. `matvec.using("torch")` turns it off, and so does
-
-    with c_block.using(False): ...     the same products in C, the other operators in PyTorch (to compare)
+The native backend makes a model's blocks `CBlock`s (`adopt`): a block takes the C path when its
+activations are float32 rows on a CPU, at most `matvec.MAX_ROWS` of them, every weight is a C layer of the
+native backend (`layers.py`: float32, int8 rows or Q4_1 blocks), and each of them takes that many rows in C
+(their `c_rows`, measured when the backend was applied). `enabled = False` on a block turns it off: the
+same products in C, the other operators in PyTorch (to compare).
 
 The arithmetic is the same in float32, in another order: logits agree to rounding, greedy tokens match (tests).
 """
 from __future__ import annotations
 
-import ctypes
-from contextlib import contextmanager
 from functools import lru_cache
 from pathlib import Path
 
 import torch
 
-from . import matvec, native
+from .. import cbuild
+from ..model import Block
+from . import matvec
+from .layers import CInt8Linear, CLinear, CQ4Linear
 
 SOURCE = Path(__file__).with_name("c_block.c")
 PROFILER_NAME = "minillm::c_block"     # what torch.profiler sees: the products, with the norms, RoPE and SiLU
 LAYER_PROFILER_NAME = "minillm::c_layer"   # a whole block: the same, with the cache write and attention
 W_FLOAT32, W_INT8, W_Q4_1 = 0, 2, 3
-_enabled = True
+
+
+def _weight(name: str, rows: str | None) -> list[tuple[str, str]]:
+    """A weight's C arguments: its kind, three tensors' data, and (when given) its row count."""
+    return [(f"{name}_kind", "i32"), (f"{name}_a", "ptr"), (f"{name}_b", "ptr"), (f"{name}_c", "ptr")] + (
+        [(rows, "i64")] if rows else [])
+
+
+_ROPE = [("cos", "ptr"), ("sin", "ptr"), ("table_rows", "i32")]
+SIGNATURES = {
+    "block_before": [("x", "ptr"), ("m", "i32"), ("T", "i32"), ("d", "i32"), ("gain", "ptr"), ("eps", "f32"),
+                     *_weight("qkv", "N"), *_ROPE, ("rot_heads", "i32"), ("hd", "i32"), ("out", "ptr"),
+                     ("threads", "i32")],
+    "block_after": [("x0", "ptr"), ("x", "ptr"), ("out", "ptr"), ("so_b", "i64"), ("so_h", "i64"), ("so_t", "i64"),
+                    ("T", "i32"), ("hd", "i32"), ("m", "i32"), ("d", "i32"), ("gain", "ptr"), ("eps", "f32"),
+                    *_weight("o", None), ("Ko", "i32"), *_weight("gu", "ffn2"), *_weight("down", None),
+                    ("threads", "i32")],
+    "block_layer": [("x", "ptr"), ("y", "ptr"), ("m", "i32"), ("T", "i32"), ("d", "i32"), ("gain1", "ptr"),
+                    ("eps1", "f32"), *_weight("qkv", None), *_ROPE, ("H", "i32"), ("n_kv", "i32"), ("hd", "i32"),
+                    ("kc", "ptr"), ("vc", "ptr"), ("max_len", "i64"), ("starts", "ptr"), ("gain2", "ptr"),
+                    ("eps2", "f32"), *_weight("o", None), *_weight("gu", "ffn2"), *_weight("down", None),
+                    ("threads", "i32")],
+}
 
 
 @lru_cache(maxsize=1)
-def load_library():
-    built = native.load(SOURCE)
-    if built:
-        lib, p, i32, i64, f32 = built[0], ctypes.c_void_p, ctypes.c_int, ctypes.c_int64, ctypes.c_float
-        w = [i32, p, p, p]                                              # a weight: kind and three tensors
-        lib.block_before.argtypes = [p, i32, i32, i32, p, f32, *w, i64, p, p, i32, i32, i32, p, i32]
-        lib.block_after.argtypes = [p, p, p, i64, i64, i64, i32, i32, i32, i32, p, f32, *w, i32, *w, i64, *w, i32]
-        lib.block_layer.argtypes = [p, p, i32, i32, i32, p, f32, *w, p, p, i32, i32, i32, i32, p, p, i64, p,
-                                    p, f32, *w, *w, i64, *w, i32]
-        lib.block_before.restype = lib.block_after.restype = lib.block_layer.restype = i32
-    return built
+def load_library() -> cbuild.Library | None:
+    return cbuild.load(SOURCE, SIGNATURES)
 
 
-def _call(name: str, *args) -> int:
-    f = getattr(load_library()[0], name)
+def _call(name: str, **args) -> int:
+    lib = load_library()
     if torch.autograd.profiler._is_profiler_enabled:              # seen by torch.profiler as one operator
         with torch.profiler.record_function(LAYER_PROFILER_NAME if name == "block_layer" else PROFILER_NAME):
-            return f(*args)
-    return f(*args)
-
-
-@contextmanager
-def using(enabled: bool):
-    """Whether blocks may take the C path inside the block (default True)."""
-    global _enabled
-    old, _enabled = _enabled, enabled
-    try:
-        yield
-    finally:
-        _enabled = old
+            return lib.call(name, **args)
+    return lib.call(name, **args)
 
 
 def _describe(layer) -> tuple | None:
     """(kind, a, b, c): a layer's weight as the C code takes it, or None where it has no C product."""
-    from .model import Linear
-    from .quant.linear import Int8Linear, Q4Linear
-    if type(layer) is Linear and layer.weight.dtype == torch.float32 and layer.in_features % 16 == 0:
+    if type(layer) is CLinear and layer.weight.dtype == torch.float32 and layer.in_features % 16 == 0:
         return W_FLOAT32, layer.weight.data_ptr(), None, None
-    if type(layer) is Int8Linear and layer.in_features % 16 == 0:
+    if type(layer) is CInt8Linear and layer.in_features % 16 == 0:
         return W_INT8, layer.q.data_ptr(), layer.scale.data_ptr(), None
-    if type(layer) is Q4Linear and hasattr(layer, "c_tiles"):
+    if type(layer) is CQ4Linear:
         return W_Q4_1, layer.c_tiles.data_ptr(), layer.c_scale.data_ptr(), layer.c_min.data_ptr()
     return None
 
 
-def _max_rows(layer) -> int:
-    """Up to how many rows this machine measured the layer's C product faster (0: never)."""
-    rows = layer.__dict__.get("c_rows")                    # quantized layers: measured on their model
-    return rows if rows is not None else (matvec.choice(torch.float32) or {}).get("max_rows", 0)
+def _args(name: str, described: tuple) -> dict:
+    return dict(zip((f"{name}_kind", f"{name}_a", f"{name}_b", f"{name}_c"), described))
 
 
 def _weights(block, x: torch.Tensor) -> list[tuple] | None:
@@ -93,7 +91,7 @@ def _weights(block, x: torch.Tensor) -> list[tuple] | None:
     Described once per block and kept, again if a layer or its weight tensor is replaced. (This runs twice
     per layer per step, so it reads `_modules`, `_parameters` and `_buffers` directly and checks what it
     kept with plain identity tests: `block.attn.wqkv` costs a microsecond or two per step of the chain.)"""
-    if torch.compiler.is_compiling() or x.device.type != "cpu" or not _enabled or matvec._mode == "torch":
+    if torch.compiler.is_compiling() or x.device.type != "cpu" or not block.enabled:
         return None
     rows = x.numel() // x.shape[-1]
     if (x.dtype != torch.float32 or not 0 < rows <= matvec.MAX_ROWS or torch.is_grad_enabled()
@@ -108,10 +106,9 @@ def _weights(block, x: torch.Tensor) -> list[tuple] | None:
     _, found, layers = kept
     if None in found:
         return None
-    if matvec._mode != "c":
-        for layer in layers:                            # measured per layer, and may be measured again
-            if rows > _max_rows(layer):
-                return None
+    for layer in layers:                                # measured per layer when the backend was applied
+        if rows > layer.c_rows:
+            return None
     return found
 
 
@@ -135,6 +132,13 @@ def _unchanged(checks: list[tuple]) -> bool:
     return True
 
 
+def _rope_rows(cos: torch.Tensor, sin: torch.Tensor, hd: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """cos, sin as (rows, hd) contiguous tables: row i of x turns by row i % rows."""
+    if cos.dim() != 2:
+        cos, sin = cos.reshape(-1, hd), sin.reshape(-1, hd)       # (B, 1, T, hd) -> (B T, hd)
+    return cos.contiguous(), sin.contiguous()
+
+
 def before_attention(block, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor):
     """Block.before_attention in one call: x (B, T, d) -> q (B, H, T, hd), k and v (B, n_kv, T, hd);
     None where the block does not take the C path (the caller runs its own)."""
@@ -144,13 +148,11 @@ def before_attention(block, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tenso
     a, norm, (B, T, d) = block._modules["attn"], block._modules["attn_norm"], x.shape
     H, n_kv, hd = a.n_heads, a.n_kv, a.hd
     x = x.contiguous()
-    if cos.dim() != 2:
-        cos, sin = cos.reshape(-1, hd), sin.reshape(-1, hd)       # (B, 1, T, hd) -> (B T, hd)
-    cos, sin = cos.contiguous(), sin.contiguous()                # row i of x turns by row i % len(cos)
+    cos, sin = _rope_rows(cos, sin, hd)
     qkv = torch.empty(B, H + 2 * n_kv, T, hd)                    # written head-major: q, k, v are views
-    rc = _call("block_before",
-        x.data_ptr(), B * T, T, d, norm._parameters["weight"].data_ptr(), norm.eps, *w[0], qkv.shape[1] * hd,
-        cos.data_ptr(), sin.data_ptr(), cos.shape[0], H + n_kv, hd, qkv.data_ptr(), torch.get_num_threads())
+    rc = _call("block_before", x=x.data_ptr(), m=B * T, T=T, d=d, gain=norm._parameters["weight"].data_ptr(),
+               eps=norm.eps, **_args("qkv", w[0]), N=qkv.shape[1] * hd, cos=cos.data_ptr(), sin=sin.data_ptr(), table_rows=cos.shape[0],
+               rot_heads=H + n_kv, hd=hd, out=qkv.data_ptr(), threads=torch.get_num_threads())
     assert rc == 0, "block_before: shapes past the C code's limits"
     return torch.split_with_sizes(qkv, [H, n_kv, n_kv], 1)          # (B, H | n_kv | n_kv, T, hd)
 
@@ -167,10 +169,10 @@ def after_attention(block, x: torch.Tensor, out: torch.Tensor):
         out = out.contiguous()
     so = out.stride()                                                   # out (B, H, T, hd) read in place
     norm, gate_up = block._modules["ffn_norm"], block._modules["mlp"]._modules["w_gate_up"]
-    rc = _call("block_after",
-        x.data_ptr(), y.data_ptr(), out.data_ptr(), so[0], so[1], so[2], T, out.shape[3], B * T, d,
-        norm._parameters["weight"].data_ptr(), norm.eps,
-        *w[1], out.shape[1] * out.shape[3], *w[2], gate_up.out_features, *w[3], torch.get_num_threads())
+    rc = _call("block_after", x0=x.data_ptr(), x=y.data_ptr(), out=out.data_ptr(), so_b=so[0], so_h=so[1],
+               so_t=so[2], T=T, hd=out.shape[3], m=B * T, d=d, gain=norm._parameters["weight"].data_ptr(),
+               eps=norm.eps, **_args("o", w[1]), Ko=out.shape[1] * out.shape[3], **_args("gu", w[2]),
+               ffn2=gate_up.out_features, **_args("down", w[3]), threads=torch.get_num_threads())
     assert rc == 0, "block_after: shapes past the C code's limits"
     return y
 
@@ -192,13 +194,36 @@ def layer(block, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, attn, in
     if kc.shape[0] != B or kc.shape[-1] != hd or hd % 16 or hd > 256:
         return None
     x, y = x.contiguous(), torch.empty(B, T, d)
-    if cos.dim() != 2:
-        cos, sin = cos.reshape(-1, hd), sin.reshape(-1, hd)       # (B, 1, T, hd) -> (B T, hd)
-    cos, sin = cos.contiguous(), sin.contiguous()
-    rc = _call("block_layer",
-        x.data_ptr(), y.data_ptr(), B * T, T, d, n1._parameters["weight"].data_ptr(), n1.eps, *w[0],
-        cos.data_ptr(), sin.data_ptr(), cos.shape[0], H, n_kv, hd, kc.data_ptr(), vc.data_ptr(), kc.shape[2],
-        starts.data_ptr(), n2._parameters["weight"].data_ptr(), n2.eps, *w[1], *w[2],
-        block._modules["mlp"]._modules["w_gate_up"].out_features, *w[3], torch.get_num_threads())
+    cos, sin = _rope_rows(cos, sin, hd)
+    rc = _call("block_layer", x=x.data_ptr(), y=y.data_ptr(), m=B * T, T=T, d=d,
+               gain1=n1._parameters["weight"].data_ptr(), eps1=n1.eps, **_args("qkv", w[0]), cos=cos.data_ptr(), sin=sin.data_ptr(), table_rows=cos.shape[0],
+               H=H, n_kv=n_kv, hd=hd, kc=kc.data_ptr(), vc=vc.data_ptr(), max_len=kc.shape[2],
+               starts=starts.data_ptr(), gain2=n2._parameters["weight"].data_ptr(), eps2=n2.eps, **_args("o", w[1]),
+               **_args("gu", w[2]), ffn2=block._modules["mlp"]._modules["w_gate_up"].out_features,
+               **_args("down", w[3]), threads=torch.get_num_threads())
     assert rc == 0, "block_layer: shapes past the C code's limits"
     return y
+
+
+class CBlock(Block):
+    """A block whose decode steps run in one or two C calls where they can (see the module's docstring), and
+    as the plain block everywhere else."""
+
+    enabled: bool = True
+
+    @classmethod
+    def adopt(cls, block: Block) -> "CBlock":
+        block.__class__, block.enabled = cls, True
+        return block
+
+    def forward(self, x, cos, sin, attn, layer_index=0):
+        fused = layer(self, x, cos, sin, attn, layer_index)           # a decode's few rows, a cache C can read
+        return super().forward(x, cos, sin, attn, layer_index) if fused is None else fused
+
+    def before_attention(self, x, cos, sin):
+        fused = before_attention(self, x, cos, sin)                   # a decode's few rows: one C call
+        return super().before_attention(x, cos, sin) if fused is None else fused
+
+    def after_attention(self, x, out):
+        fused = after_attention(self, x, out)
+        return super().after_attention(x, out) if fused is None else fused
