@@ -44,6 +44,21 @@ def model():
     return minillm.load_model()
 
 
+@pytest.fixture(scope="session")
+def native_model(model):
+    """The course model with the native backend (C loops and blocks where this machine measured them faster;
+    `minillm/backends/`): a copy that shares its weights."""
+    from minillm.backends import apply_backend
+
+    return apply_backend(model, "native")
+
+
+@pytest.fixture(params=["torch", "native"])
+def backend_model(request, model):
+    """The course model on each backend: an equality test that takes it runs on both."""
+    return model if request.param == "torch" else request.getfixturevalue("native_model")
+
+
 class _QuantizedModels(dict):
     def __missing__(self, fmt):
         import minillm

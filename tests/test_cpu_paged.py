@@ -64,12 +64,13 @@ def test_which_caches_the_kernel_reads():
 
 
 def test_backend_choice(monkeypatch):
-    assert check_backend("auto", on_gpu=False) == "cpu"
+    assert check_backend("auto", on_gpu=False, native=True) == "cpu"          # a model of the native backend
+    assert check_backend("auto", on_gpu=False) == "torch"                     # a plain model
     assert check_backend("torch", on_gpu=False) == "torch"
     with pytest.raises(ValueError, match="'torch'"):
         check_backend("cpu", on_gpu=True)
     monkeypatch.setattr(cpu_kernel, "available", lambda: False)              # a machine with no compiler
-    assert check_backend("auto", on_gpu=False) == "torch"
+    assert check_backend("auto", on_gpu=False, native=True) == "torch"
     with pytest.raises(ValueError, match="C compiler"):
         check_backend("cpu", on_gpu=False)
 

@@ -59,8 +59,8 @@ def assert_same(finals, naive_tokens, skip=()):
             assert finals[i].finish_reason == "length"
 
 
-def test_all_at_once_equals_naive(model, tokenizer, prompts, naive_tokens):
-    engine = LLMEngine(model, tokenizer, kv_cache_memory=64 << 20)
+def test_all_at_once_equals_naive(backend_model, tokenizer, prompts, naive_tokens):
+    engine = LLMEngine(backend_model, tokenizer, kv_cache_memory=64 << 20)
     assert_same(run(engine, prompts), naive_tokens)
     assert engine.stats()["kv_blocks_used"] == 0
 
@@ -71,8 +71,8 @@ def test_staggered_arrivals_equal_naive(model, tokenizer, prompts, naive_tokens)
 
 
 @pytest.mark.parametrize("budget", [8, 13])
-def test_tiny_budget_chunks_prompts_among_decodes(model, tokenizer, prompts, naive_tokens, budget):
-    engine = LLMEngine(model, tokenizer, max_num_batched_tokens=budget, kv_cache_memory=64 << 20)
+def test_tiny_budget_chunks_prompts_among_decodes(backend_model, tokenizer, prompts, naive_tokens, budget):
+    engine = LLMEngine(backend_model, tokenizer, max_num_batched_tokens=budget, kv_cache_memory=64 << 20)
     mixed, chunked = [], []
     schedule = engine.scheduler.schedule
 
@@ -90,9 +90,9 @@ def test_tiny_budget_chunks_prompts_among_decodes(model, tokenizer, prompts, nai
     assert any(mixed), "no step mixed a prefill chunk with decodes"
 
 
-def test_preemption_recomputes_without_changing_outputs(model, tokenizer, prompts, naive_tokens):
+def test_preemption_recomputes_without_changing_outputs(backend_model, tokenizer, prompts, naive_tokens):
     # 10 blocks of 4 tokens: the six requests need about 6 x 30 tokens, so the pool runs out
-    engine = LLMEngine(model, tokenizer, block_size=4, num_blocks=10, max_num_batched_tokens=64)
+    engine = LLMEngine(backend_model, tokenizer, block_size=4, num_blocks=10, max_num_batched_tokens=64)
     finals = run(engine, prompts)
     assert engine.stats()["num_preemptions"] > 0, "the pool was big enough: nothing was preempted"
     assert any(o.num_preemptions for o in finals.values())

@@ -64,14 +64,14 @@ def test_cached_decode_step_logits_equal_full_recompute(model, tokenizer):
 
 
 @pytest.mark.parametrize("prompt, steps", list(zip(LONG_PROMPTS, (128, 48, 48))))
-def test_greedy_tokens_equal_naive_over_long_runs(model, tokenizer, prompt, steps):
+def test_greedy_tokens_equal_naive_over_long_runs(model, backend_model, tokenizer, prompt, steps):
     """One run long enough for rounding to build up (128 steps), two of 48. The naive stage's token at
     step t is the argmax of the full forward pass over the t tokens before it; one full pass over the
     whole kv-stage answer gives all those argmaxes at once (by induction: if every one of them is the
     kv stage's next token, naive greedy writes the same answer), instead of 128 passes of growing length."""
     ids = tokenizer.apply_chat_template(prompt) if isinstance(prompt, list) else tokenizer.encode(prompt)
     params = SamplingParams(max_tokens=steps, ignore_eos=True)
-    kv = generate(model, tokenizer, ids, params, stage="kv")
+    kv = generate(backend_model, tokenizer, ids, params, stage="kv")    # the plain model, or the native one
     assert len(kv.token_ids) == steps
     with torch.inference_mode():                                           # stage 1's pass, at every prefix
         full = model(torch.tensor([ids + kv.token_ids[:-1]]))[0]          # (prompt + steps - 1, vocab)
@@ -79,7 +79,8 @@ def test_greedy_tokens_equal_naive_over_long_runs(model, tokenizer, prompt, step
     assert kv.token_ids == naive_tokens
 
 
-def test_batch_of_different_lengths_gives_each_prompt_its_own_tokens(model, tokenizer):
+def test_batch_of_different_lengths_gives_each_prompt_its_own_tokens(backend_model, tokenizer):
+    model = backend_model
     prompts = [tokenizer.encode("The capital of France is"),
                tokenizer.apply_chat_template([{"role": "user", "content": "Name three colors."}]),
                tokenizer.encode("1, 2, 3,"),
