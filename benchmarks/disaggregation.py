@@ -23,7 +23,8 @@ sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
 import minillm  # noqa: E402
 from minillm.course.bench import machine_info# noqa: E402
-from minillm.distributed.disaggregated import colocated_run, disaggregated_run  # noqa: E402
+from minillm.course.disaggregation import colocated_run  # noqa: E402
+from minillm.distributed.disaggregated import disaggregated_run  # noqa: E402
 from minillm.course.timing import percentile# noqa: E402
 from minillm.sampling import SamplingParams  # noqa: E402
 

@@ -18,7 +18,7 @@ import minillm  # noqa: E402
 from minillm.course.bench import machine_info# noqa: E402
 from minillm.distributed.kv_transfer import transfer_costs  # noqa: E402
 from minillm.distributed.launch import run_ranks, tensor_parallel_generate  # noqa: E402
-from minillm.distributed.tensor_parallel import all_reduce_seconds  # noqa: E402
+from minillm.course.parallel_costs import all_reduce_seconds  # noqa: E402
 from minillm.sampling import SamplingParams  # noqa: E402
 
 

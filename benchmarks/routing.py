@@ -24,7 +24,8 @@ from tqdm import tqdm
 import minillm
 from minillm import LLM
 from minillm.course.bench import machine_info
-from minillm.routing import SIGNALS, TOP_LOGPROBS, auc, confidence, tradeoff
+from minillm.course.routing_costs import auc, tradeoff
+from minillm.routing import SIGNALS, TOP_LOGPROBS, confidence
 from minillm.sampling import SamplingParams
 from minillm.speculative import quantized_copy
 

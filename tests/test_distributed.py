@@ -63,7 +63,7 @@ def test_an_engine_step_survives_packing_for_the_followers():
 
 
 def test_what_a_token_sends_is_counted_against_the_weights_it_reads(model):
-    from minillm.distributed.tensor_parallel import communication_bytes
+    from minillm.course.parallel_costs import communication_bytes
     from minillm.course.roofline import weight_bytes
 
     c = communication_bytes(model.cfg, 3)
@@ -116,7 +116,8 @@ def test_a_transfer_that_breaks_off_frees_its_blocks_and_says_so(tmp_path):
 
 
 def test_disaggregated_prefill_and_decode_give_the_single_engines_outputs(model, tokenizer):
-    from minillm.distributed.disaggregated import disaggregated_generate, transfer_bytes
+    from minillm.course.disaggregation import transfer_bytes
+    from minillm.distributed.disaggregated import disaggregated_generate
     from minillm.engine import LLM
 
     texts = ["The capital of France is",
@@ -136,7 +137,8 @@ def test_disaggregated_prefill_and_decode_give_the_single_engines_outputs(model,
 
 def test_the_decode_worker_decodes_while_prompts_arrive(model, tokenizer):
     """Overlapped: blocks are taken between decode steps, and the outputs are still the single engine's."""
-    from minillm.distributed.disaggregated import colocated_run, disaggregated_run
+    from minillm.course.disaggregation import colocated_run
+    from minillm.distributed.disaggregated import disaggregated_run
 
     prompts = [tokenizer.encode("The capital of France is"), list(range(1000, 1100)), list(range(2000, 2150))]
     params = SamplingParams(max_tokens=12, ignore_eos=True)

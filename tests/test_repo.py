@@ -54,11 +54,12 @@ def test_every_notebook_states_its_cost_and_ends_with_checked_exercises():
 
 
 def test_everything_the_notebooks_import_comes_with_the_course_install():
-    """`pip install -e .` (the README's course command) must bring every package a notebook imports."""
+    """`pip install -e ".[course]"` (the README's course command) must bring every package a notebook imports."""
     import sys
     import tomllib
 
-    deps = tomllib.loads((ROOT / "pyproject.toml").read_text())["project"]["dependencies"]
+    project = tomllib.loads((ROOT / "pyproject.toml").read_text())["project"]
+    deps = project["dependencies"] + project["optional-dependencies"]["course"]
     installed = {re.split(r"[<>=!;\[ ]", d, maxsplit=1)[0].lower().replace("-", "_") for d in deps}
     installed |= {"minillm", "ipywidgets", "IPython".lower()}        # (ipykernel comes with jupyterlab)
     for nb in sorted((ROOT / "notebooks").glob("*.ipynb")):
@@ -67,7 +68,7 @@ def test_everything_the_notebooks_import_comes_with_the_course_install():
                 continue
             for top in re.findall(r"^\s*(?:from|import)\s+(\w+)", "".join(cell["source"]), re.M):
                 assert top in sys.stdlib_module_names or top.lower() in installed, \
-                    f"{nb.name} imports {top}, which `pip install -e .` does not install: add it to dependencies"
+                    f"{nb.name} imports {top}, which `pip install -e .[course]` does not install: add it to the course extra"
 
 
 # A number measured in a run is printed by the code that measured it, never typed into markdown: typed
@@ -98,7 +99,7 @@ FACTS = {   # notebook -> phrases that hold on every machine, each with its reas
     "11": ["30 s by default"],   # the server's settings
     "13": ["4.8 TB/s", "10 µs per collective", "450 GB/s"],   # an H200's and NVLink's data sheets, assumed
     "14": ["about 50× the bytes",    # a 7B layer against a 135M layer, at the same bits
-           "more than 5% faster"],   # the margin matvec.race and packed.race require, a setting
+           "more than 5% faster"],   # the margin the native backend's races require, a setting
 }
 
 
@@ -122,3 +123,36 @@ def test_measured_numbers_are_printed_by_code_not_typed_into_markdown():
             typed += [f"{nb.name} cell {i}: …{text[max(0, m.start() - 50):m.end() + 10]!r}…"
                       for m in MEASURED.finditer(text)]
     assert not typed, "typed numbers that look measured (print them from code):\n" + "\n".join(typed)
+
+
+COURSE_ONLY = ("jupyterlab", "ipywidgets", "matplotlib", "psutil", "httpx", "openai")
+
+
+def test_the_engine_installs_without_the_course():
+    """`pip install minillm` (no extra) brings the engine, the server and the command line: none of them
+    imports what only the course needs, and the course extra lists those packages."""
+    import subprocess
+    import sys
+    import tomllib
+
+    project = tomllib.loads((ROOT / "pyproject.toml").read_text())["project"]
+    core = {re.split(r"[<>=!;\[ ]", d, maxsplit=1)[0].lower() for d in project["dependencies"]}
+    course = {re.split(r"[<>=!;\[ ]", d, maxsplit=1)[0].lower() for d in project["optional-dependencies"]["course"]}
+    assert not core & set(COURSE_ONLY) and set(COURSE_ONLY) <= course
+    code = f"""
+import importlib.abc, sys
+class Refuse(importlib.abc.MetaPathFinder):
+    def find_spec(self, name, path=None, target=None):
+        if name.split(".")[0] in {COURSE_ONLY!r}:
+            raise ImportError("not installed: " + name)
+sys.meta_path.insert(0, Refuse())
+import minillm, minillm.engine, minillm.server.app, minillm.cli, minillm.backends, minillm.generate
+from minillm.config import ModelConfig
+from minillm.model import Transformer
+from minillm.sampling import SamplingParams
+m = Transformer(ModelConfig(n_layers=1, d_model=32, n_heads=4, n_kv_heads=2, head_dim=8, ffn_dim=64, vocab_size=49152))
+llm = minillm.LLM(m.eval().requires_grad_(False), minillm.load_tokenizer(), kv_cache_memory=8 << 20)
+print(len(llm.generate(["hi"], SamplingParams(max_tokens=3), use_tqdm=False)[0].token_ids))
+"""
+    r = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=300)
+    assert r.returncode == 0 and r.stdout.split()[-1] == "3", r.stderr[-2000:]

@@ -7,7 +7,8 @@ import httpx
 import pytest
 
 from helpers.live_server import live_server
-from minillm.routing import RoutePolicy, Router, auc, confidence, tradeoff
+from minillm.course.routing_costs import auc, tradeoff
+from minillm.routing import RoutePolicy, Router, confidence
 from minillm.sampling import SamplingParams
 from minillm.speculative import quantized_copy
 

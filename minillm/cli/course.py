@@ -11,6 +11,10 @@ def cmd_course(args) -> None:
     import os
     from pathlib import Path
 
+    import importlib.util
+
+    if importlib.util.find_spec("jupyterlab") is None or importlib.util.find_spec("matplotlib") is None:
+        fail("the course needs its extra: pip install -e \".[course]\" (JupyterLab, matplotlib, ipywidgets, ...)")
     notebooks = Path(__file__).resolve().parents[2] / "notebooks"
     if not notebooks.is_dir():
         fail(f"no notebooks/ beside the package at {notebooks.parent}; install from a clone: pip install -e .")

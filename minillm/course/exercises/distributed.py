@@ -8,7 +8,7 @@ from types import SimpleNamespace
 
 import torch
 
-from ...distributed.disaggregated import transfer_bytes
+from ..disaggregation import transfer_bytes
 from ...distributed.tensor_parallel import qkv_rows
 from .check import Case, run_checks
 
