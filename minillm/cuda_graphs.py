@@ -30,6 +30,8 @@ from bisect import bisect_left
 
 import torch
 
+from .kv.paged import slot_of
+
 
 def capture_sizes(max_batch: int) -> list[int]:
     """The batch sizes to capture: 1, 2, 4, 8, then multiples of 16, up to the first that holds max_batch."""
@@ -114,7 +116,7 @@ class DecodeGraphs:
         if any(len(t) > self.width for t in tables):
             raise ValueError(f"a context longer than the {self.width * bs} tokens the graphs were sized for")
         pad = size - n
-        slots = [t[p // bs] * bs + p % bs for t, p in zip(tables, positions)] + [-1] * pad
+        slots = [slot_of(t, p, bs) for t, p in zip(tables, positions)] + [-1] * pad
         rows = torch.tensor([t + [0] * (self.width - len(t)) for t in tables] + [[0] * self.width] * pad,
                             dtype=torch.int32)
         self.ids[:size].copy_(torch.tensor(tokens + [0] * pad), non_blocking=True)

@@ -29,12 +29,13 @@ from __future__ import annotations
 import torch
 
 from .attention import sdpa_attention
-from .attention.paged import PagedAttention, check_backend
+from .attention.paged import check_backend
 from .backends import backend_of
 from .kv import BlockPool, CachedAttention, KVCache
 from .kv.manager import KVCacheManager, Sequence
 from .kv.quantized import check_kv_dtype
 from .model import FullAttention
+from .paged_forward import PagedForward, pack
 from .triton_support import require_triton
 
 
@@ -210,8 +211,9 @@ class FlashRunner(KVCacheRunner):
 class PagedRunner(_Runner):
     """Stage 4: K/V in a pool of fixed-size blocks, allocated as sequences grow (`kv/paged.py`, changed
     only through the KV-cache manager, `kv/manager.py`). Each step packs every sequence's new tokens
-    into one flat sequence; attention writes and reads them through block tables (`attention/paged.py`:
-    the Triton kernels of `triton_paged.py` by default, or "torch", gathered pages + SDPA)."""
+    into one flat sequence and runs one pass over it (`paged_forward.py`, the object the engine's runner
+    holds too); attention writes and reads them through block tables (`attention/paged.py`: the Triton
+    kernels of `triton_paged.py` by default, or "torch", gathered pages + SDPA)."""
 
     name = "paged"
 
@@ -223,39 +225,26 @@ class PagedRunner(_Runner):
                                        native=backend_of(model) == "native")
         self.max_len = min(max_len or model.cfg.max_seq_len, model.cfg.max_seq_len)
         self.block_size, self.num_blocks = block_size, num_blocks
-        self.kv: KVCacheManager | None = None
+        self.paged: PagedForward | None = None     # made with each prefill's pool
         self.seqs: list[Sequence] = []
-        self._workspace = (None, None)   # torch backend: gather buffers kept from step to step
+
+    @property
+    def kv(self) -> KVCacheManager:
+        return self.paged.kv
 
     @property
     def pool(self) -> BlockPool:
         return self.kv.pool
 
-    def forward_tables(self, ids, positions, tables, q_lens, k_lens, logit_rows, n_layers=None) -> torch.Tensor:
-        """One pass over ids/positions (N,), packed by sequence: q_lens[i] tokens of sequence i, whose
-        pages are tables[i], end at key k_lens[i]. Logits (M, vocab) of the rows logit_rows (M,)."""
-        dev = self.model.device
-        attn = PagedAttention(self.pool, q_lens, k_lens, tables, self.attention, self._workspace)
-        if self.attention in ("cpu", "torch"):
-            self._workspace = attn.workspace
-        logits = self.model(torch.tensor([ids], device=dev), torch.tensor(positions, device=dev), attn,
-                            logit_indices=torch.tensor(logit_rows, device=dev, dtype=torch.long), n_layers=n_layers)
-        return logits[0]                                                           # (M, vocab)
-
     def _step(self, new: list[list[int]], n_layers: int | None = None, every_row: bool = False) -> torch.Tensor:
         """Append new[i] to sequence i, all in one pass: logits of each one's last token (every_row: of
         each new token)."""
-        ids, positions, q_lens, k_lens, rows = [], [], [], [], []
+        starts = [self.kv.num_slots(seq) for seq in self.seqs]
         for seq, tokens in zip(self.seqs, new):
-            start = self.kv.num_slots(seq)
             self.kv.append(seq, len(tokens))
-            ids += tokens
-            positions += range(start, start + len(tokens))
-            q_lens.append(len(tokens))
-            k_lens.append(start + len(tokens))
-            rows += range(len(ids) - len(tokens), len(ids)) if every_row else [len(ids) - 1]
-        tables = [self.kv.block_table(s) for s in self.seqs]
-        return self.forward_tables(ids, positions, tables, q_lens, k_lens, rows, n_layers)
+        step = pack(zip(starts, new))
+        rows = list(range(len(step.ids))) if every_row else step.last_rows()
+        return self.paged(step, [self.kv.block_table(s) for s in self.seqs], rows, n_layers)
 
     @torch.inference_mode()
     def prefill_batch(self, seqs: list[list[int]]) -> torch.Tensor:
@@ -264,7 +253,7 @@ class PagedRunner(_Runner):
             raise ValueError("every prompt needs at least one token")
         per_seq = -(-max(self.max_len, *map(len, seqs)) // self.block_size)
         pool = BlockPool(m.cfg, self.num_blocks or len(seqs) * per_seq, self.block_size, m.dtype, m.device, self.kv_dtype)
-        self.kv = KVCacheManager(pool)
+        self.paged = PagedForward(m, KVCacheManager(pool), self.attention)
         self.seqs = [Sequence(i) for i in range(len(seqs))]
         for s in self.seqs:
             self.kv.admit(s, [])

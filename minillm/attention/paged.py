@@ -22,6 +22,7 @@ from __future__ import annotations
 
 import torch
 
+from ..kv.paged import slot_of
 from ..kv.quantized import QuantizedKV
 from ..triton_support import require_triton
 from .paged_torch import paged_attention, plan_paged_attention, workspace_for
@@ -59,7 +60,7 @@ class PagedAttention:
         workspace: the torch backend's gather buffers, kept by the runner from step to step."""
         self.pool, self.backend = pool, backend
         dev, bs = pool.device, pool.block_size
-        slots = [table[p // bs] * bs + p % bs for table, q, k in zip(tables, q_lens, k_lens) for p in range(k - q, k)]
+        slots = [slot_of(table, p, bs) for table, q, k in zip(tables, q_lens, k_lens) for p in range(k - q, k)]
         self.slots = torch.tensor(slots, dtype=torch.long, device=dev)                   # (N,)
         if backend in ("cpu", "torch"):
             if backend == "cpu":

@@ -27,6 +27,7 @@ import torch
 from ..kv import BlockPool
 from ..kv.manager import KVCacheManager
 from ..kv.prefix_cache import PrefixCachingPool
+from ..paged_forward import PagedForward, pack
 from ..speculative.proposers import pick_draft
 
 
@@ -57,8 +58,6 @@ class DraftSequence:
 class DraftModelCache:
     def __init__(self, draft_model, target_runner, num_blocks: int, block_size: int, prefix_caching: bool):
         """num_blocks: the draft pool's size (the engine gives it as many blocks as the target's pool)."""
-        from .runner import ModelRunner
-
         target = target_runner.model
         if draft_model.cfg.vocab_size != target.cfg.vocab_size:
             raise ValueError(f"the draft model's vocabulary ({draft_model.cfg.vocab_size}) differs from the "
@@ -66,7 +65,7 @@ class DraftModelCache:
         pool_cls = PrefixCachingPool if prefix_caching else BlockPool
         pool = pool_cls(draft_model.cfg, num_blocks, block_size, draft_model.dtype, draft_model.device)
         self.kv = KVCacheManager(pool)
-        self.runner = ModelRunner(draft_model, self.kv, target_runner.attention)
+        self.forward = PagedForward(draft_model, self.kv, target_runner.attention)   # the draft's own passes
         self.seqs: dict[str, DraftSequence] = {}
         self.pass_times: list[tuple[int, float]] = []   # the last proposal's passes: (sequences, seconds)
 
@@ -118,19 +117,13 @@ class DraftModelCache:
                 ready.append((req, s, seq))
         if not ready:
             return
-        ids, positions, q_lens, k_lens, rows = [], [], [], [], []
+        catch_up = pack((seq.num_computed_tokens, seq.tokens[seq.num_computed_tokens:]) for _, _, seq in ready)
         for _, _, seq in ready:                                    # catch up: the tokens each cache lacks
-            new = seq.tokens[seq.num_computed_tokens:]
-            ids += new
-            positions += range(seq.num_computed_tokens, seq.num_tokens)
-            q_lens.append(len(new))
-            k_lens.append(seq.num_tokens)
-            rows.append(len(ids) - 1)
             seq.num_computed_tokens = seq.num_tokens
         tables = [self.kv.block_table(seq) for _, _, seq in ready]
         t0 = time.perf_counter()
-        logits = self.runner.forward_tables(ids, positions, tables, q_lens, k_lens, rows)     # (A, vocab)
-        if max(q_lens) <= max(room) + 1:        # a catch-up on the last step's tokens, not a first prefill
+        logits = self.forward(catch_up, tables, catch_up.last_rows())                 # (A, vocab)
+        if max(catch_up.q_lens) <= max(room) + 1:   # a catch-up on the last step's tokens, not a first prefill
             self.pass_times.append((len(ready), time.perf_counter() - t0))
         active = list(range(len(ready)))
         drafts: list[list[int]] = [[] for _ in ready]
@@ -146,15 +139,12 @@ class DraftModelCache:
             if not active:
                 break
             seqs = [ready[i][2] for i in active]
-            tokens = [drafts[i][-1] for i in active]
-            positions = [seq.num_tokens for seq in seqs]
-            for seq, token in zip(seqs, tokens):
+            step = pack((seq.num_tokens, [drafts[i][-1]]) for i, seq in zip(active, seqs))
+            for seq, token in zip(seqs, step.ids):
                 seq.tokens.append(token)
                 seq.num_computed_tokens += 1
             t0 = time.perf_counter()
-            logits = self.runner.forward_tables(tokens, positions, [self.kv.block_table(s) for s in seqs],
-                                                [1] * len(seqs), [p + 1 for p in positions],
-                                                list(range(len(seqs))))                       # (A', vocab)
+            logits = self.forward(step, [self.kv.block_table(s) for s in seqs], step.last_rows())   # (A', vocab)
             self.pass_times.append((len(seqs), time.perf_counter() - t0))
         for i, (req, _, _) in enumerate(ready):
             req.spec_token_ids = drafts[i]

@@ -1,8 +1,9 @@
 """The model runner: one forward pass per step for everything the scheduler picked.
 
-It is the paged stage's runner (`stages.PagedRunner`, stage 4) driven by a scheduler: the new tokens
-of all scheduled requests are packed into **one flat sequence**, no padding to the longest request,
-and attention reads each request's pages through its block table (`attention/paged.py`):
+It holds what the paged stage's runner (`stages.PagedRunner`, stage 4) holds, one `PagedForward`
+(`paged_forward.py`), and is driven by a scheduler: the new tokens of all scheduled requests are packed
+into **one flat sequence**, no padding to the longest request, and attention reads each request's pages
+through its block table (`attention/paged.py`):
 
     ids        (N,)   the tokens to compute: a whole prompt chunk for some requests, one token for others
     positions  (N,)   each token's position in its own request (RoPE)
@@ -19,22 +20,22 @@ from __future__ import annotations
 
 import torch
 
-from ..attention.paged import check_backend
-from ..backends import backend_of
+from ..cuda_graphs import DecodeGraphs
 from ..kv.manager import KVCacheManager
 from ..kv.quantized import QuantizedKV
-from ..stages import PagedRunner
-from ..cuda_graphs import DecodeGraphs
+from ..paged_forward import Packed, PagedForward, pack
 from .scheduler import ScheduledBatch
 
 
-class ModelRunner(PagedRunner):
+class ModelRunner:
     def __init__(self, model, kv: KVCacheManager, attention: str = "auto"):
-        self.model, self.kv = model, kv
-        self.attention = check_backend(attention, kv.pool.device.type == "cuda",
-                                       native=backend_of(model) == "native")
-        self._workspace = (None, None)   # torch backend: gather buffers kept from step to step
+        self.paged = PagedForward(model, kv, attention)
+        self.model, self.kv, self.attention = model, kv, self.paged.attention
         self.graphs: DecodeGraphs | None = None
+
+    @property
+    def pool(self):
+        return self.kv.pool
 
     def use_decode_graphs(self, max_batch: int, max_len: int, eager: bool = False) -> None:
         """Run decode-only steps of up to max_batch requests through `DecodeGraphs`: captured CUDA graphs
@@ -54,25 +55,24 @@ class ModelRunner(PagedRunner):
     def execute(self, batch: ScheduledBatch) -> torch.Tensor:
         """Run the step; logits (M, vocab) in batch order: for each request whose tokens are now all
         computed, its last token's row, or with drafts, 1 + len(drafts) rows (its sampled token, each draft)."""
-        ids, positions, q_lens, k_lens = [], [], [], []
-        for req, n in zip(batch.requests, batch.num_new_tokens):
-            start, d = req.num_computed_tokens, len(req.spec_token_ids)
-            ids += req.token_slice(start, start + n - d) + req.spec_token_ids
-            positions += range(start, start + n)
-            q_lens.append(n)
-            k_lens.append(start + n)
+        step = pack((req.num_computed_tokens,
+                     req.token_slice(req.num_computed_tokens, req.num_computed_tokens + n - len(req.spec_token_ids))
+                     + req.spec_token_ids) for req, n in zip(batch.requests, batch.num_new_tokens))
+        tables = [self.kv.block_table(r) for r in batch.requests]
         if self._graph_batch(batch):
-            return self.graphs.run(ids, positions, [self.kv.block_table(r) for r in batch.requests])
-        return self.forward(ids, positions, batch.requests, q_lens, k_lens, batch.logit_rows)
+            return self.graphs.run(step.ids, step.positions, tables)
+        return self.forward_tables(step.ids, step.positions, tables, step.q_lens, step.k_lens, batch.logit_rows)
 
     @torch.inference_mode()
     def draft_step(self, reqs, tokens: list[int], positions: list[int], n_layers: int) -> torch.Tensor:
         """One token per request at the given positions (slots already in their tables), through the
         first n_layers layers: a layer-skipping draft. Logits (len(reqs), vocab)."""
-        return self.forward(tokens, positions, reqs, [1] * len(reqs), [p + 1 for p in positions],
-                            list(range(len(reqs))), n_layers)
+        step = pack((p, [t]) for p, t in zip(positions, tokens))
+        return self.forward_tables(step.ids, step.positions, [self.kv.block_table(r) for r in reqs], step.q_lens,
+                                   step.k_lens, list(range(len(reqs))), n_layers)
 
-    def forward(self, ids, positions, reqs, q_lens, k_lens, logit_rows, n_layers=None) -> torch.Tensor:
-        """ids/positions (N,) packed by request; q_lens[i] tokens of reqs[i] end at key k_lens[i]."""
-        tables = [self.kv.block_table(r) for r in reqs]
-        return self.forward_tables(ids, positions, tables, q_lens, k_lens, logit_rows, n_layers)
+    def forward_tables(self, ids, positions, tables, q_lens, k_lens, logit_rows, n_layers=None) -> torch.Tensor:
+        """ids/positions (N,) packed by request; q_lens[i] tokens of the request whose pages are tables[i] end
+        at key k_lens[i]. Logits (M, vocab) of the rows logit_rows (M,). (One call: a tensor-parallel leader
+        announces it to the other ranks first, `distributed/leader.py`.)"""
+        return self.paged(Packed(ids, positions, q_lens, k_lens), tables, logit_rows, n_layers)

@@ -28,6 +28,11 @@ from ..config import ModelConfig
 from .quantized import kv_tensors
 
 
+def slot_of(table: list[int], position: int, block_size: int) -> int:
+    """Where token `position` of a sequence with block table `table` sits in the pool, as one flat index."""
+    return table[position // block_size] * block_size + position % block_size
+
+
 class OutOfBlocks(RuntimeError):
     """The pool has fewer free blocks than the operation needs; nothing was changed."""
 
@@ -149,9 +154,8 @@ class BlockPool:
     # ------------------------------------------------------------ addressing
     def slots(self, seq: int, start: int, end: int) -> torch.Tensor:
         """Physical slots of tokens start..end-1 of `seq` (int64, on the pool's device)."""
-        t = torch.arange(start, end)
-        table = torch.tensor(self.tables[seq], dtype=torch.int64)
-        return (table[t // self.block_size] * self.block_size + t % self.block_size).to(self.device)
+        table = self.tables[seq]
+        return torch.tensor([slot_of(table, t, self.block_size) for t in range(start, end)], device=self.device)
 
     def block_table(self, seqs: list[int]) -> torch.Tensor:
         """(len(seqs), max blocks) int32, padded with 0 (never read: lengths bound every access)."""
