@@ -9,9 +9,9 @@ refilled before each replay. Two steps are captured:
 `DecodeGraphs`, the engine's decode-only steps (paged KV cache, any mix of requests):
 
     ids, positions   (S,)     one token per sequence, and its position
-    slots            (S,)     where its K/V goes in the pool (-1: a padding row, nothing written)
-    k_lens           (S,)     keys it attends to (0 for padding: its output is 0, never read)
-    table            (S, W)   its pages, W = the pages of the longest context
+    attention's      what the paged-attention backend reads (`static_buffers`; the triton backend's:
+                     slots (S,), -1 for a padding row; keys per row (S,), 0 for padding; tables (S, W),
+                     W = the pages of the longest context), written before each replay (`fill`)
 
   A graph is captured for each size of a ladder (1, 2, 4, 8, then every 16, as nano-vllm does); a batch
   of n runs in the smallest size >= n, its extra rows padded.
@@ -30,7 +30,7 @@ from bisect import bisect_left
 
 import torch
 
-from .kv.paged import slot_of
+from .attention.paged import PagedAttention
 
 
 def capture_sizes(max_batch: int) -> list[int]:
@@ -51,31 +51,17 @@ def padded_size(n: int, sizes: list[int]) -> int:
     return sizes[i]
 
 
-class StaticDecode:
-    """The attention context of a static decode step: the Triton paged kernels over fixed buffers."""
-
-    def __init__(self, pool, slots, table, k_lens, num_splits: int):
-        from .attention import triton_paged
-
-        self.kernels, self.pool = triton_paged, pool
-        self.slots, self.table, self.k_lens, self.num_splits = slots, table, k_lens, num_splits
-
-    def attend(self, layer: int, q, k, v):
-        """q (1, H, S, hd); k, v (1, n_kv, S, hd): one new token per row -> (1, H, S, hd)."""
-        kc, vc = self.pool.k[layer], self.pool.v[layer]                  # (num_blocks, block_size, n_kv, hd)
-        k, v, q = k[0].transpose(0, 1), v[0].transpose(0, 1), q[0].transpose(0, 1)   # (S, heads, hd)
-        self.kernels.write_kv_to_slots(k.contiguous(), v.contiguous(), kc, vc, self.slots)
-        out = self.kernels.decode_attention(q, kc, vc, self.k_lens, block_table=self.table,
-                                            num_splits=self.num_splits)  # (S, H, hd)
-        return out.transpose(0, 1)[None]
-
-
 class DecodeGraphs:
-    def __init__(self, model, pool, max_batch: int, max_len: int, eager: bool = False):
+    def __init__(self, model, pool, max_batch: int, max_len: int, eager: bool = False, backend=None):
         """Static buffers for decode batches of up to max_batch sequences with contexts of up to max_len
-        tokens; on a GPU, unless eager, one graph captured per size of `capture_sizes(max_batch)`."""
+        tokens; on a GPU, unless eager, one graph captured per size of `capture_sizes(max_batch)`.
+        backend: the paged-attention backend object whose hooks make the step static (default: triton's)."""
+        from .attention.paged import make_backend
         from .attention.triton_flash import default_num_splits      # triton: imported on first use
 
+        self.backend = backend or make_backend("triton")
+        if not self.backend.captures:
+            raise ValueError(f"the {self.backend.name} attention backend has no static decode step to capture")
         self.model, self.pool = model, pool
         self.sizes = capture_sizes(max_batch)
         self.eager = eager or pool.device.type != "cuda"
@@ -83,9 +69,7 @@ class DecodeGraphs:
         self.width = -(-max_len // pool.block_size)                        # W: pages of the longest context
         self.ids = torch.zeros(S, dtype=torch.long, device=dev)
         self.positions = torch.zeros(S, dtype=torch.long, device=dev)
-        self.slots = torch.full((S,), -1, dtype=torch.long, device=dev)
-        self.k_lens = torch.zeros(S, dtype=torch.int32, device=dev)
-        self.table = torch.zeros(S, self.width, dtype=torch.int32, device=dev)
+        self.buffers = self.backend.static_buffers(S, self.width, dev)    # what attention reads: slots, tables
         self.splits = {n: default_num_splits(n, model.cfg.n_kv_heads, max_len, 64, dev) for n in self.sizes}
         self.graphs: dict[int, tuple[torch.cuda.CUDAGraph, torch.Tensor]] = {}
         if not self.eager:
@@ -93,7 +77,8 @@ class DecodeGraphs:
 
     def _step(self, size: int) -> torch.Tensor:
         """The decode step over the first `size` rows of the buffers -> logits (size, vocab)."""
-        attn = StaticDecode(self.pool, self.slots[:size], self.table[:size], self.k_lens[:size], self.splits[size])
+        attn = PagedAttention.static(self.pool, self.backend, *self.backend.static_plan(self.buffers, size,
+                                                                                        self.splits[size]))
         return self.model(self.ids[None, :size], self.positions[:size], attn)[0]
 
     @torch.inference_mode()
@@ -116,15 +101,9 @@ class DecodeGraphs:
         if any(len(t) > self.width for t in tables):
             raise ValueError(f"a context longer than the {self.width * bs} tokens the graphs were sized for")
         pad = size - n
-        slots = [slot_of(t, p, bs) for t, p in zip(tables, positions)] + [-1] * pad
-        rows = torch.tensor([t + [0] * (self.width - len(t)) for t in tables] + [[0] * self.width] * pad,
-                            dtype=torch.int32)
         self.ids[:size].copy_(torch.tensor(tokens + [0] * pad), non_blocking=True)
         self.positions[:size].copy_(torch.tensor(positions + [0] * pad), non_blocking=True)
-        self.slots[:size].copy_(torch.tensor(slots), non_blocking=True)
-        self.k_lens[:size].copy_(torch.tensor([p + 1 for p in positions] + [0] * pad, dtype=torch.int32),
-                                 non_blocking=True)
-        self.table[:size].copy_(rows, non_blocking=True)
+        self.backend.fill(self.buffers, tables, positions, size, bs)
         return size
 
     @torch.inference_mode()

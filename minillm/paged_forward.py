@@ -7,8 +7,8 @@ Every sequence's new tokens are packed into **one flat sequence**, no padding (`
     q_lens, k_lens          per sequence: its new tokens, and the keys it attends to (cached + new)
 
 and `PagedForward` runs the model once over them, attention writing and reading each sequence's pages
-through its block table (`attention/paged.py`, with the chosen paged-attention backend and the gather
-buffers it keeps from step to step).
+through its block table (`attention/paged.py`, with the chosen paged-attention backend, which keeps its
+gather buffers from step to step).
 """
 from __future__ import annotations
 
@@ -16,7 +16,7 @@ from dataclasses import dataclass, field
 
 import torch
 
-from .attention.paged import PagedAttention, check_backend
+from .attention.paged import PagedAttention, check_backend, make_backend
 from .backends import backend_of
 
 
@@ -53,17 +53,15 @@ class PagedForward:
         """model; kv: the KV-cache manager whose pool holds the pages; attention: "auto", "cpu", "torch" or
         "triton" (`attention.paged.check_backend`; auto follows the model's backend)."""
         self.model, self.kv = model, kv
-        self.attention = check_backend(attention, model.device.type == "cuda", what,
-                                       native=backend_of(model) == "native")
-        self._workspace = (None, None)          # cpu and torch backends: gather buffers kept from step to step
+        self.attention = check_backend(attention, kv.pool.device.type == "cuda", what,
+                                       native=model is not None and backend_of(model) == "native")
+        self.backend = make_backend(self.attention)     # its state (gather buffers) kept from step to step
 
     def __call__(self, step: Packed, tables: list[list[int]], logit_rows: list[int],
                  n_layers: int | None = None) -> torch.Tensor:
         """One pass over the packed step; tables[i]: sequence i's pages. Logits (M, vocab) of logit_rows (M,)."""
         dev = self.model.device
-        attn = PagedAttention(self.kv.pool, step.q_lens, step.k_lens, tables, self.attention, self._workspace)
-        if self.attention in ("cpu", "torch"):
-            self._workspace = attn.workspace
+        attn = PagedAttention(self.kv.pool, step.q_lens, step.k_lens, tables, self.backend)
         logits = self.model(torch.tensor([step.ids], device=dev), torch.tensor(step.positions, device=dev), attn,
                             logit_indices=torch.tensor(logit_rows, device=dev, dtype=torch.long), n_layers=n_layers)
         return logits[0]                                                           # (M, vocab)

@@ -39,9 +39,10 @@ def test_padding_rows_write_nothing_and_read_nothing():
     size = graphs.fill([11, 12, 13], [5, 0, 9], [[3, 7], [2], [4, 8, 1]])
     assert size == 4
     assert graphs.ids[:4].tolist() == [11, 12, 13, 0]
-    assert graphs.slots[:4].tolist() == [7 * 4 + 1, 2 * 4, 1 * 4 + 1, -1]       # page p // 4, row p % 4
-    assert graphs.k_lens[:4].tolist() == [6, 1, 10, 0]
-    assert graphs.table[:4, :3].tolist() == [[3, 7, 0], [2, 0, 0], [4, 8, 1], [0, 0, 0]]
+    b = graphs.buffers                                                            # the attention backend's
+    assert b["slots"][:4].tolist() == [7 * 4 + 1, 2 * 4, 1 * 4 + 1, -1]       # page p // 4, row p % 4
+    assert b["k_lens"][:4].tolist() == [6, 1, 10, 0]
+    assert b["table"][:4, :3].tolist() == [[3, 7, 0], [2, 0, 0], [4, 8, 1], [0, 0, 0]]
     with pytest.raises(ValueError, match="longer than the 64 tokens"):
         graphs.fill([1], [70], [list(range(18))])
 

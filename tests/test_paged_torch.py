@@ -148,3 +148,21 @@ def test_engine_gives_the_same_tokens_with_either_backend(tokenizer):
     naive = [generate(model, tokenizer, p, params, stage="naive").token_ids for p in PROMPTS]
     assert results["torch"] == naive
     assert results["triton"] == naive
+
+
+@pytest.mark.parametrize("name", ["torch", "cpu", "triton"])
+def test_every_paged_backend_speaks_the_same_interface(name):
+    """One class per file, one registry: plan, write and attend, and whether CUDA graphs may capture it
+    (with the hooks they need where they may)."""
+    from minillm.attention.paged import BACKENDS, make_backend
+
+    if name == "cpu" and not cpu_kernel.available():
+        pytest.skip("no C compiler builds the CPU kernel here")
+    backend = make_backend(name)
+    assert backend.name == name and set(BACKENDS) == {"cpu", "torch", "triton"}
+    for method in ("plan", "write", "attend"):
+        assert callable(getattr(backend, method))
+    assert backend.captures == (name == "triton")
+    if backend.captures:
+        for method in ("static_buffers", "static_plan", "fill"):
+            assert callable(getattr(backend, method))

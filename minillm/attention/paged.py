@@ -9,25 +9,35 @@ only attention does, and this context knows:
     tables                 per sequence: its pages
 
 In each layer it writes the new K/V to their slots, then attends each sequence's queries over its
-pages, with one of two backends:
+pages, through a paged-attention backend. Every backend is one file with one class and the same methods:
 
-    "triton"   the kernels of `triton_paged.py`: they read pages in place through the block table
-               (`decode_attention` when every sequence brings one token, else `flash_attn_varlen`)
-    "cpu"      decodes read in place by a C kernel built on this machine (`cpu_kernel.py`), prefill
-               chunks gathered for SDPA: the choice on a CPU for a model of the native backend (`backends/`)
-               where a C compiler builds the kernel
-    "torch"    gathered pages + SDPA (`paged_torch.py`): the choice for a plain model on a CPU
+    plan(pool, q_lens, k_lens, tables) -> plan     once per step: what every layer reads the same way
+    write(kc, vc, k, v, slots)                     this layer's new K/V into their slots
+    attend(q, kc, vc, plan) -> out                 the packed queries over their pages
+    captures; static_buffers, static_plan, fill    the hooks a CUDA graph needs (`cuda_graphs.py`):
+                                                   fixed buffers, a plan over them to capture, a batch
+                                                   written into them before each replay
+
+    "triton"   `paged_triton.py`: the kernels of `triton_paged.py` read pages in place through the block
+               table (`decode_attention` when every sequence brings one token, else `flash_attn_varlen`)
+    "cpu"      `paged_cpu.py`: decodes read in place by a C kernel built on this machine
+               (`cpu_kernel.py`), prefill chunks gathered for SDPA: the choice on a CPU for a model of
+               the native backend (`backends/`) where a C compiler builds the kernel
+    "torch"    `paged_torch.py`: gathered pages + SDPA: the choice for a plain model on a CPU
+
+A backend object lives as long as the runner that made it (`make_backend`): the torch and cpu backends keep
+their gather buffers in it from step to step.
 """
 from __future__ import annotations
+
+import importlib
 
 import torch
 
 from ..kv.paged import slot_of
-from ..kv.quantized import QuantizedKV
 from ..triton_support import require_triton
-from .paged_torch import paged_attention, plan_paged_attention, workspace_for
 
-BACKENDS = ("cpu", "torch", "triton")
+BACKENDS = {"cpu": "paged_cpu:CpuPaged", "torch": "paged_torch:TorchPaged", "triton": "paged_triton:TritonPaged"}
 
 
 def check_backend(backend: str, on_gpu: bool, what: str = "the triton attention backend", native: bool = False) -> str:
@@ -38,7 +48,7 @@ def check_backend(backend: str, on_gpu: bool, what: str = "the triton attention 
     if backend == "auto":
         backend = "triton" if on_gpu else "cpu" if native and _kernel_builds() else "torch"
     if backend not in BACKENDS:
-        raise ValueError(f"attention must be 'auto' or one of {BACKENDS}; got {backend!r}")
+        raise ValueError(f"attention must be 'auto' or one of {tuple(BACKENDS)}; got {backend!r}")
     if backend == "triton":
         require_triton(what)
     if backend == "cpu" and (on_gpu or not _kernel_builds()):
@@ -53,49 +63,33 @@ def _kernel_builds() -> bool:
     return cpu_kernel.available()
 
 
-class PagedAttention:
-    def __init__(self, pool, q_lens: list[int], k_lens: list[int], tables: list[list[int]],
-                 backend: str = "torch", workspace: tuple = (None, None)):
-        """q_lens[i] new tokens of sequence i end at key k_lens[i]; its pages are tables[i].
-        workspace: the torch backend's gather buffers, kept by the runner from step to step."""
-        self.pool, self.backend = pool, backend
-        dev, bs = pool.device, pool.block_size
-        slots = [slot_of(table, p, bs) for table, q, k in zip(tables, q_lens, k_lens) for p in range(k - q, k)]
-        self.slots = torch.tensor(slots, dtype=torch.long, device=dev)                   # (N,)
-        if backend in ("cpu", "torch"):
-            if backend == "cpu":
-                from . import cpu_kernel
-            in_place = backend == "cpu" and cpu_kernel.supports(pool.k[0])   # int8/int4 or float16: gathered
-            self.plan = plan_paged_attention(q_lens, k_lens, tables, bs, dev, in_place)
-            self.workspace = tuple(workspace_for(self.plan, pool.k[0], w) for w in workspace)
-            self.plan.workspace = self.workspace
-            return
-        from . import triton_paged
+def make_backend(name: str):
+    """A new backend object of a checked name (`check_backend`); its module is imported now."""
+    module, cls = BACKENDS[name].split(":")
+    return getattr(importlib.import_module(f"{__package__}.{module}"), cls)()
 
-        self.kernels = triton_paged
-        width = max(len(t) for t in tables)
-        self.table = torch.tensor([t + [0] * (width - len(t)) for t in tables], dtype=torch.int32, device=dev)
-        self.k_lens = torch.tensor(k_lens, dtype=torch.int32, device=dev)
-        self.decode = max(q_lens) == 1                                                    # one query each
-        self.cu_q = torch.tensor([0] + q_lens, device=dev).cumsum(0).to(torch.int32)
-        self.cu_k = torch.tensor([0] + k_lens, device=dev).cumsum(0).to(torch.int32)
-        self.max_q, self.max_k = max(q_lens), max(k_lens)
+
+class PagedAttention:
+    def __init__(self, pool, q_lens: list[int], k_lens: list[int], tables: list[list[int]], backend):
+        """q_lens[i] new tokens of sequence i end at key k_lens[i]; its pages are tables[i]. backend: a
+        backend object (`make_backend`), or a name for a new one."""
+        self.pool = pool
+        self.backend = make_backend(backend) if isinstance(backend, str) else backend
+        bs = pool.block_size
+        slots = [slot_of(table, p, bs) for table, q, k in zip(tables, q_lens, k_lens) for p in range(k - q, k)]
+        self.slots = torch.tensor(slots, dtype=torch.long, device=pool.device)             # (N,)
+        self.plan = self.backend.plan(pool, q_lens, k_lens, tables)
+
+    @classmethod
+    def static(cls, pool, backend, slots: torch.Tensor, plan) -> "PagedAttention":
+        """A context over fixed buffers (a captured step: `backend.static_plan`)."""
+        self = cls.__new__(cls)
+        self.pool, self.backend, self.slots, self.plan = pool, backend, slots, plan
+        return self
 
     def attend(self, layer: int, q, k, v):
         """q (1, H, N, hd); k, v (1, n_kv, N, hd), the step's new keys and values -> (1, H, N, hd)."""
         kc, vc = self.pool.k[layer], self.pool.v[layer]                  # (num_blocks, block_size, n_kv, hd)
         k, v, q = k[0].transpose(0, 1), v[0].transpose(0, 1), q[0].transpose(0, 1)   # (N, heads, hd)
-        if self.backend == "triton" and not isinstance(kc, QuantizedKV):
-            self.kernels.write_kv_to_slots(k.contiguous(), v.contiguous(), kc, vc, self.slots)
-        else:                                                            # QuantizedKV: quantized as it is written
-            kc.view(-1, *kc.shape[2:]).index_copy_(0, self.slots, k)    # (slots, n_kv, hd)
-            vc.view(-1, *vc.shape[2:]).index_copy_(0, self.slots, v)
-        if self.backend in ("cpu", "torch"):
-            out = paged_attention(q, kc, vc, self.plan)                  # (N, H, hd)
-        elif self.decode:
-            out = self.kernels.decode_attention(q, kc, vc, self.k_lens, block_table=self.table,
-                                                max_seqlen_k=self.max_k)
-        else:
-            out = self.kernels.flash_attn_varlen(q, kc, vc, self.cu_q, self.cu_k, self.max_q, self.max_k,
-                                                 causal=True, block_table=self.table)
-        return out.transpose(0, 1)[None]                                 # (1, H, N, hd)
+        self.backend.write(kc, vc, k, v, self.slots)
+        return self.backend.attend(q, kc, vc, self.plan).transpose(0, 1)[None]       # (1, H, N, hd)

@@ -14,7 +14,9 @@ tensor (one copy of its K/V) and handed to `F.scaled_dot_product_attention`:
                                    (the chunk's queries are the last of its keys)
 
 Which requests are which, and what to gather, is the same in every layer: `plan_paged_attention`
-works it out once per step, and `paged_attention` runs it 30 times.
+works it out once per step, and `paged_attention` runs it 30 times. `TorchPaged` is this file as the
+"torch" paged-attention backend (`attention/paged.py`): plan, write, attend, and the gather buffers it
+keeps from step to step.
 
 With `in_place` (the "cpu" backend) the decodes skip the gather: the C kernel of `cpu_paged.c` reads
 their pages where they are, through a block table, the way the Triton decode kernel does on a GPU.
@@ -140,3 +142,37 @@ def paged_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tenso
         vc = gather_pages(v_cache, pages, 1)[:, :, :k_len]
         out[start:start + n] = sdpa_attention(qc, kc, vc)[0].transpose(0, 1)  # causal, bottom-right
     return out
+
+
+def write_slots(kc, vc, k: torch.Tensor, v: torch.Tensor, slots: torch.Tensor) -> None:
+    """k, v (N, n_kv, hd) into their slots (N,) of a layer's pages (num_blocks, block_size, n_kv, hd); a
+    QuantizedKV quantizes them as they are written."""
+    kc.view(-1, *kc.shape[2:]).index_copy_(0, slots, k)               # (slots, n_kv, hd)
+    vc.view(-1, *vc.shape[2:]).index_copy_(0, slots, v)
+
+
+class TorchPaged:
+    """The "torch" backend: pages gathered for SDPA, into buffers kept from step to step."""
+
+    name = "torch"
+    captures = False
+    in_place = False                      # decodes read by the C kernel where they are ("cpu", paged_cpu.py)
+
+    def __init__(self):
+        self.workspace = (None, None)     # (K, V) flat gather buffers, grown as steps need
+
+    def plan(self, pool, q_lens: list[int], k_lens: list[int], tables: list[list[int]]) -> PagedPlan:
+        plan = plan_paged_attention(q_lens, k_lens, tables, pool.block_size, pool.device, self._in_place(pool))
+        self.workspace = tuple(workspace_for(plan, pool.k[0], w) for w in self.workspace)
+        plan.workspace = self.workspace
+        return plan
+
+    def _in_place(self, pool) -> bool:
+        return False
+
+    def write(self, kc, vc, k: torch.Tensor, v: torch.Tensor, slots: torch.Tensor) -> None:
+        write_slots(kc, vc, k, v, slots)
+
+    def attend(self, q: torch.Tensor, kc, vc, plan: PagedPlan) -> torch.Tensor:
+        """q (N, H, hd) packed queries -> (N, H, hd)."""
+        return paged_attention(q, kc, vc, plan)

@@ -41,9 +41,9 @@ class ModelRunner:
         """Run decode-only steps of up to max_batch requests through `DecodeGraphs`: captured CUDA graphs
         on a GPU, or (eager, or on a CPU) the same static step uncaptured. Needs the Triton kernels and a
         float KV cache."""
-        if self.attention != "triton" or isinstance(self.kv.pool.k[0], QuantizedKV):
+        if not self.paged.backend.captures or isinstance(self.kv.pool.k[0], QuantizedKV):
             raise ValueError("decode graphs need attention='triton' and a float KV cache (no kv_cache_dtype)")
-        self.graphs = DecodeGraphs(self.model, self.kv.pool, max_batch, max_len, eager)
+        self.graphs = DecodeGraphs(self.model, self.kv.pool, max_batch, max_len, eager, self.paged.backend)
 
     def _graph_batch(self, batch: ScheduledBatch) -> bool:
         """Whether the step is one the graphs run: every request decodes one token, no drafts."""
