@@ -216,3 +216,23 @@ def test_simulate_shows_the_static_bubble():
     assert len(runs["static"]) == 12 and len(runs["continuous"]) == 10
     # priced: 4 steps of 2 or more tokens at 1.5 s, 8 single-token steps at 1 s
     assert predicted_seconds(runs["static"], [1, 2], [1.0, 1.5]) == 4 * 1.5 + 8 * 1.0
+
+
+def test_drafts_are_set_once_before_the_rows_are_planned():
+    import pytest
+
+    """The speculator's one hand-off: request i computes its sampled token and up to its room in drafts,
+    and only before anything has read the batch's rows."""
+    from minillm.engine.request import Request
+    from minillm.engine.scheduler import ScheduledBatch
+    from minillm.sampling import SamplingParams
+
+    batch = ScheduledBatch()
+    batch.add(Request("a", [1, 2, 3], SamplingParams()), 1 + 3, spec=3)
+    with pytest.raises(ValueError, match="room for 3 drafts, not 4"):
+        batch.set_drafts(0, 4)
+    batch.set_drafts(0, 1)
+    assert batch.num_new_tokens == [2]
+    batch.logit_rows
+    with pytest.raises(RuntimeError, match="already planned"):
+        batch.set_drafts(0, 0)

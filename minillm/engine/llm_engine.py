@@ -153,14 +153,12 @@ class LLMEngine:
         check_vocab(params, self.model.cfg.vocab_size)
         if params.max_tokens == 0 and n != 1:
             raise ValueError("scoring a prompt (max_tokens=0) has one answer: n must be 1")
-        req = self._new_request(request_id, prompt, params)
-        if arrival_time is not None:
-            req.arrival_time = arrival_time
-        req.cache_salt = cache_salt
-        req.forks = [self._new_request(rid, prompt, params if params.seed is None else
-                                       dataclasses.replace(params, seed=params.seed + i),
-                                       arrival_time=req.arrival_time, cache_salt=cache_salt)
-                     for i, rid in enumerate(ids[1:], 1)]
+        arrival = time.perf_counter() if arrival_time is None else arrival_time
+        forks = [self._new_request(rid, prompt, params if params.seed is None else
+                                   dataclasses.replace(params, seed=params.seed + i),
+                                   arrival_time=arrival, cache_salt=cache_salt)
+                 for i, rid in enumerate(ids[1:], 1)]
+        req = self._new_request(request_id, prompt, params, arrival_time=arrival, cache_salt=cache_salt, forks=forks)
         self.requests[request_id] = req
         self.scheduler.add(req)
         return ids

@@ -16,11 +16,16 @@ from __future__ import annotations
 import enum
 import time
 from dataclasses import dataclass, field
+from typing import TYPE_CHECKING
 
 import torch
 
 from ..detokenizer import IncrementalDetokenizer
 from ..sampling import SamplingParams, make_generator
+
+if TYPE_CHECKING:                                # for the types only: neither is imported at run time
+    from ..speculative.adaptive import AdaptiveK
+    from ..structured import Constraint
 
 
 class Status(enum.Enum):
@@ -58,15 +63,15 @@ class Request:
     # speculative decoding (engine/speculation.py): this step's drafts after the sampled token
     spec_token_ids: list[int] = field(default_factory=list)
     spec_probs: torch.Tensor | None = None      # (drafts, vocab) the draft's distributions; None: one-hot
-    spec_control: object = None                 # adaptive speculation: this request's AdaptiveK (how many drafts)
+    spec_control: AdaptiveK | None = None       # adaptive speculation: how many drafts this request makes
     # params.logprobs set: per output token (its log-probability, [(id, log-probability)] of the best ones)
     logprobs: list[tuple[float, list[tuple[int, float]]]] | None = None
     # params.prompt_logprobs set: the same per prompt token, None for the first (nothing comes before it)
     prompt_logprobs: list[tuple[float, list[tuple[int, float]]] | None] | None = None
     # params.grammar set: its parser state (structured.Constraint), which says what may come next
-    constraint: object | None = None
-    # n > 1: the siblings (id, params) forked off this request once its prompt is computed
-    forks: list[tuple[str, SamplingParams]] = field(default_factory=list)
+    constraint: Constraint | None = None
+    # n > 1: the sibling requests forked off this one once its prompt is computed (made with it, waiting)
+    forks: list[Request] = field(default_factory=list)
 
     def __post_init__(self):
         if not self.params.greedy:

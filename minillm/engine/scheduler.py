@@ -67,6 +67,17 @@ class ScheduledBatch:
         self.num_new_tokens.append(n)
         self.num_spec_slots.append(spec)
 
+    def set_drafts(self, i: int, drafts: int) -> None:
+        """The one hand-off from the speculator (`engine/speculation.py`), after scheduling and before
+        anything reads the rows: request i computes its sampled token and `drafts` of the slots the
+        scheduler gave it (fewer than its room when the proposer found fewer, or adaptive speculation
+        chose fewer). The slots it leaves stay allocated and are overwritten next step."""
+        if self._rows is not None:
+            raise RuntimeError("the batch's rows were already planned: drafts are set before logit_rows is read")
+        if not 0 <= drafts <= self.num_spec_slots[i]:
+            raise ValueError(f"request {i} has room for {self.num_spec_slots[i]} drafts, not {drafts}")
+        self.num_new_tokens[i] = 1 + drafts
+
     @property
     def logit_rows(self) -> list[int]:
         """Which of the step's packed tokens need logits: for each request whose tokens are all computed
@@ -86,7 +97,7 @@ class ScheduledBatch:
         return self._plan()[2]
 
     def _plan(self) -> tuple:
-        """Computed once, on first use (after the drafts are proposed)."""
+        """Computed once, on first use (after the drafts are set: `set_drafts`)."""
         if self._rows is None:
             rows, samples, prompt, packed = [], [], [], 0
             for req, n in zip(self.requests, self.num_new_tokens):

@@ -81,7 +81,7 @@ class Speculator:
         elif self.times is not None and self._draft_cost:
             self.times.observe_draft(len(todo), (time.perf_counter() - t0) / passes)
         for i, req, s in todo:
-            batch.num_new_tokens[i] = 1 + len(req.spec_token_ids)
+            batch.set_drafts(i, len(req.spec_token_ids))
 
     @staticmethod
     def _lookup(proposer, req: Request, s: int) -> bool:
@@ -105,7 +105,7 @@ class Speculator:
                               self._draft_cost)
         drafting = []
         for (i, req, _), j in zip(todo, chosen):
-            batch.num_new_tokens[i] = 1 + j
+            batch.set_drafts(i, j)
             req.spec_token_ids, req.spec_probs = [], None
             if j:
                 drafting.append((i, req, j))
