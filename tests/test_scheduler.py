@@ -219,16 +219,19 @@ def test_simulate_shows_the_static_bubble():
 
 
 def test_drafts_are_set_once_before_the_rows_are_planned():
-    import pytest
-
     """The speculator's one hand-off: request i computes its sampled token and up to its room in drafts,
     and only before anything has read the batch's rows."""
+    from types import SimpleNamespace
+
+    import pytest
+
     from minillm.engine.request import Request
     from minillm.engine.scheduler import ScheduledBatch
     from minillm.sampling import SamplingParams
 
     batch = ScheduledBatch()
-    batch.add(Request("a", [1, 2, 3], SamplingParams()), 1 + 3, spec=3)
+    req = Request("a", [1, 2, 3], SamplingParams(), output=SimpleNamespace(token_ids=[7]), num_computed_tokens=3)
+    batch.add(req, 1 + 3, spec=3)
     with pytest.raises(ValueError, match="room for 3 drafts, not 4"):
         batch.set_drafts(0, 4)
     batch.set_drafts(0, 1)
