@@ -22,6 +22,14 @@ from dataclasses import dataclass, field
 import torch
 
 
+class ParamError(ValueError):
+    """A sampling parameter out of its range: the message says what to fix, `param` names the field."""
+
+    def __init__(self, param: str, message: str):
+        super().__init__(message)
+        self.param = param
+
+
 @dataclass(frozen=True)
 class SamplingParams:
     temperature: float = 0.0     # 0 = greedy
@@ -49,7 +57,7 @@ class SamplingParams:
         try:
             object.__setattr__(self, "logit_bias", tuple(sorted((int(t), float(b)) for t, b in bias)))
         except (TypeError, ValueError):
-            raise ValueError(f"logit_bias must be a map of token ids to numbers; got {self.logit_bias!r}") from None
+            raise ParamError("logit_bias", f"logit_bias must be a map of token ids to numbers; got {self.logit_bias!r}") from None
         checks = [
             ("temperature", self.temperature, self.temperature >= 0, ">= 0 (0 means greedy)"),
             ("top_k", self.top_k, isinstance(self.top_k, int) and self.top_k >= 0, "an integer >= 0 (0 turns it off)"),
@@ -73,12 +81,12 @@ class SamplingParams:
                                "an integer in [0, 20] (or None for no log-probabilities)"))
         for name, value, ok, allowed in checks:
             if not ok or value != value:  # value != value catches NaN
-                raise ValueError(f"{name} must be {allowed}; got {value!r}")
+                raise ParamError(name, f"{name} must be {allowed}; got {value!r}")
         if self.grammar is not None and (not isinstance(self.grammar, str) or self.ignore_eos):
-            raise ValueError("grammar must be a grammar string (minillm.structured builds them), and a grammar ends "
-                             "its answer with an end token: it cannot be used with ignore_eos")
+            raise ParamError("grammar", "grammar must be a grammar string (minillm.structured builds them), and a "
+                                        "grammar ends its answer with an end token: it cannot be used with ignore_eos")
         if not all(isinstance(s, str) and s for s in self.stop):
-            raise ValueError(f"stop must be a list of non-empty strings; got {self.stop!r}")
+            raise ParamError("stop", f"stop must be a list of non-empty strings; got {self.stop!r}")
 
     @property
     def greedy(self) -> bool:
@@ -99,10 +107,10 @@ class SamplingParams:
 
 
 def check_vocab(params: SamplingParams, vocab: int) -> None:
-    """ValueError if params name a token the model does not have (logit_bias)."""
+    """ParamError if params name a token the model does not have (logit_bias)."""
     bad = [t for t, _ in params.logit_bias if t >= vocab]
     if bad:
-        raise ValueError(f"logit_bias names token ids outside the vocabulary [0, {vocab}): {bad[:5]}")
+        raise ParamError("logit_bias", f"logit_bias names token ids outside the vocabulary [0, {vocab}): {bad[:5]}")
 
 
 def token_counts(token_ids: list[int], vocab: int, device=None) -> torch.Tensor:

@@ -150,3 +150,19 @@ def test_extreme_but_allowed_values_still_give_a_distribution(params):
     assert torch.isfinite(probs).all() and torch.allclose(probs.sum(), torch.tensor(1.0))
     if params.repetition_penalty == 1:
         assert probs[0].argmax() == 1 and probs[0, 1] == 1
+
+
+def test_a_bad_parameter_names_its_field():
+    """Refusals carry the field as data (the server answers with it), not only in the message's words."""
+    import pytest
+
+    from minillm.sampling import ParamError, SamplingParams, check_vocab
+
+    for kwargs, field in [({"top_p": 2.0}, "top_p"), ({"logprobs": 50}, "logprobs"), ({"stop": [""]}, "stop"),
+                          ({"logit_bias": {"x": 1}}, "logit_bias"), ({"max_tokens": -1}, "max_tokens")]:
+        with pytest.raises(ParamError) as e:
+            SamplingParams(**kwargs)
+        assert e.value.param == field and isinstance(e.value, ValueError)
+    with pytest.raises(ParamError) as e:
+        check_vocab(SamplingParams(logit_bias={99: 1.0}), vocab=10)
+    assert e.value.param == "logit_bias"

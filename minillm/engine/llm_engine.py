@@ -244,7 +244,7 @@ class LLMEngine:
                 continue
             self.scheduler.finish(req)
             for r in [req, *req.forks]:              # (samples not forked yet end with it)
-                r.error = message
+                r.error, r.server_fault = message, True
                 r.finish("error")
                 outputs.append(self._output(r))
             req.forks = []
@@ -280,7 +280,7 @@ class LLMEngine:
                     row_logits = changed[i] if i in changed else logits[row:row + 1]
                     tokens[i] = [int(sample_next_token(row_logits, r.params, r.generator)[0])]
                 except RuntimeError as e:
-                    r.error = f"sampling failed: {e}"
+                    r.error, r.server_fault = f"sampling failed: {e}", True
                     r.finish("error")
         for i in constrained:
             r = samples[i][0]

@@ -46,6 +46,7 @@ class Request:
     status: Status = Status.WAITING
     finish_reason: str | None = None
     error: str | None = None                    # what went wrong, for finish_reason "error"
+    server_fault: bool = False                  # the error is the server's (the model step, sampling), not the request's
     output: IncrementalDetokenizer | None = None   # its tokens, text and stop rule (detokenizer.py)
     num_computed_tokens: int = 0
     num_reported_tokens: int = 0                # output tokens already in a RequestOutput
@@ -170,6 +171,7 @@ class RequestOutput:
     _text_len: int = 0
     _num_times: int = 0
     _finish_time: float | None = None
+    server_fault: bool = False     # finish_reason "error" by the server's fault (an HTTP 500), not the request's
 
     @classmethod
     def of(cls, r: Request, new_tokens: int, new_text: str) -> "RequestOutput":
@@ -179,12 +181,13 @@ class RequestOutput:
         return cls(r.request_id, r.prompt_token_ids, out.token_ids[n - new_tokens:], new_text, r.finished,
                    r.finish_reason, r.num_preemptions, r.error, r.num_cached_tokens, new_lp,
                    r, n, out.text, out.visible_len if not r.finished else len(out.text), len(r.token_times),
-                   r.finish_time)
+                   r.finish_time, r.server_fault)
 
     @classmethod
-    def failed(cls, request_id: str, prompt_token_ids: list[int], reason: str, message: str) -> "RequestOutput":
+    def failed(cls, request_id: str, prompt_token_ids: list[int], reason: str, message: str,
+               server_fault: bool = False) -> "RequestOutput":
         """A request that ends before it runs (refused, or the server stopping): no tokens."""
-        return cls(request_id, prompt_token_ids, [], "", True, reason, error=message)
+        return cls(request_id, prompt_token_ids, [], "", True, reason, error=message, server_fault=server_fault)
 
     @property
     def token_ids(self) -> list[int]:

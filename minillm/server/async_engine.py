@@ -133,7 +133,8 @@ class AsyncEngine:
             logger.exception("could not abort the remaining requests")
         for rid in list(self._streams):          # shutting down: aborted; the engine broken: an error (500)
             self._deliver(RequestOutput.failed(rid, [], "abort", "the server is shutting down") if self.error is None
-                          else RequestOutput.failed(rid, [], "error", f"the engine stopped: {self.error!r}"))
+                          else RequestOutput.failed(rid, [], "error", f"the engine stopped: {self.error!r}",
+                                                               server_fault=True))
 
     def _take_commands(self) -> None:
         while True:
