@@ -127,17 +127,19 @@ class Library:
 
     def __init__(self, cdll: ctypes.CDLL, flags: list[str], signatures: dict[str, list[tuple[str, str]]]):
         self.cdll, self.flags, self.signatures = cdll, flags, signatures
+        self.functions = {}
         for name, args in signatures.items():
             f = getattr(cdll, name)
             f.argtypes = [TYPES[t] for _, t in args]
             f.restype = ctypes.c_int
+            self.functions[name] = (f, tuple(a for a, _ in args))
 
     def call(self, name: str, **args) -> int:
-        order = [a for a, _ in self.signatures[name]]
-        if set(args) != set(order):
+        f, order = self.functions[name]
+        if len(args) != len(order) or any(a not in args for a in order):    # (a decode step makes 60 calls)
             missing, extra = set(order) - set(args), set(args) - set(order)
             raise TypeError(f"{name}: missing {sorted(missing)}, unexpected {sorted(extra)}")
-        return getattr(self.cdll, name)(*(args[a] for a in order))
+        return f(*[args[a] for a in order])
 
 
 @lru_cache(maxsize=None)

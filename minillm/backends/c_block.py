@@ -86,8 +86,9 @@ def _args(name: str, described: tuple) -> dict:
     return dict(zip((f"{name}_kind", f"{name}_a", f"{name}_b", f"{name}_c"), described))
 
 
-def _weights(block, x: torch.Tensor) -> list[tuple] | None:
-    """The block's four weights as C arguments, or None where the block does not take the C path for x.
+def _weights(block, x: torch.Tensor) -> dict | None:
+    """The block's four weights as C arguments ({"before": the Q/K/V product's, "after": the other three's,
+    "layer": all four's}), or None where the block does not take the C path for x.
     Described once per block and kept, again if a layer or its weight tensor is replaced. (This runs twice
     per layer per step, so it reads `_modules`, `_parameters` and `_buffers` directly and checks what it
     kept with plain identity tests: `block.attn.wqkv` costs a microsecond or two per step of the chain.)"""
@@ -101,15 +102,20 @@ def _weights(block, x: torch.Tensor) -> list[tuple] | None:
     if kept is None or not _unchanged(kept[0]):
         attn, mlp = block._modules["attn"]._modules, block._modules["mlp"]._modules
         layers = (attn["wqkv"], attn["wo"], mlp["w_gate_up"], mlp["w_down"])
-        kept = (_checks(block, layers), [_describe(layer) for layer in layers], layers)
+        found = [_describe(layer) for layer in layers]
+        args = None
+        if None not in found:
+            q, o, gu, down = (_args(name, w) for name, w in zip(("qkv", "o", "gu", "down"), found))
+            args = {"before": q, "after": o | gu | down, "layer": q | o | gu | down}
+        kept = (_checks(block, layers), args, layers)
         block.__dict__["_c_weights"] = kept
-    _, found, layers = kept
-    if None in found:
+    _, args, layers = kept
+    if args is None:
         return None
     for layer in layers:                                # measured per layer when the backend was applied
         if rows > layer.c_rows:
             return None
-    return found
+    return args
 
 
 def _checks(block, layers) -> list[tuple]:
@@ -151,8 +157,8 @@ def before_attention(block, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tenso
     cos, sin = _rope_rows(cos, sin, hd)
     qkv = torch.empty(B, H + 2 * n_kv, T, hd)                    # written head-major: q, k, v are views
     rc = _call("block_before", x=x.data_ptr(), m=B * T, T=T, d=d, gain=norm._parameters["weight"].data_ptr(),
-               eps=norm.eps, **_args("qkv", w[0]), N=qkv.shape[1] * hd, cos=cos.data_ptr(), sin=sin.data_ptr(), table_rows=cos.shape[0],
-               rot_heads=H + n_kv, hd=hd, out=qkv.data_ptr(), threads=torch.get_num_threads())
+               eps=norm.eps, **w["before"], N=qkv.shape[1] * hd, cos=cos.data_ptr(), sin=sin.data_ptr(),
+               table_rows=cos.shape[0], rot_heads=H + n_kv, hd=hd, out=qkv.data_ptr(), threads=torch.get_num_threads())
     assert rc == 0, "block_before: shapes past the C code's limits"
     return torch.split_with_sizes(qkv, [H, n_kv, n_kv], 1)          # (B, H | n_kv | n_kv, T, hd)
 
@@ -171,8 +177,8 @@ def after_attention(block, x: torch.Tensor, out: torch.Tensor):
     norm, gate_up = block._modules["ffn_norm"], block._modules["mlp"]._modules["w_gate_up"]
     rc = _call("block_after", x0=x.data_ptr(), x=y.data_ptr(), out=out.data_ptr(), so_b=so[0], so_h=so[1],
                so_t=so[2], T=T, hd=out.shape[3], m=B * T, d=d, gain=norm._parameters["weight"].data_ptr(),
-               eps=norm.eps, **_args("o", w[1]), Ko=out.shape[1] * out.shape[3], **_args("gu", w[2]),
-               ffn2=gate_up.out_features, **_args("down", w[3]), threads=torch.get_num_threads())
+               eps=norm.eps, **w["after"], Ko=out.shape[1] * out.shape[3], ffn2=gate_up.out_features,
+               threads=torch.get_num_threads())
     assert rc == 0, "block_after: shapes past the C code's limits"
     return y
 
@@ -196,11 +202,11 @@ def layer(block, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, attn, in
     x, y = x.contiguous(), torch.empty(B, T, d)
     cos, sin = _rope_rows(cos, sin, hd)
     rc = _call("block_layer", x=x.data_ptr(), y=y.data_ptr(), m=B * T, T=T, d=d,
-               gain1=n1._parameters["weight"].data_ptr(), eps1=n1.eps, **_args("qkv", w[0]), cos=cos.data_ptr(), sin=sin.data_ptr(), table_rows=cos.shape[0],
-               H=H, n_kv=n_kv, hd=hd, kc=kc.data_ptr(), vc=vc.data_ptr(), max_len=kc.shape[2],
-               starts=starts.data_ptr(), gain2=n2._parameters["weight"].data_ptr(), eps2=n2.eps, **_args("o", w[1]),
-               **_args("gu", w[2]), ffn2=block._modules["mlp"]._modules["w_gate_up"].out_features,
-               **_args("down", w[3]), threads=torch.get_num_threads())
+               gain1=n1._parameters["weight"].data_ptr(), eps1=n1.eps, **w["layer"], cos=cos.data_ptr(),
+               sin=sin.data_ptr(), table_rows=cos.shape[0], H=H, n_kv=n_kv, hd=hd, kc=kc.data_ptr(),
+               vc=vc.data_ptr(), max_len=kc.shape[2], starts=starts.data_ptr(),
+               gain2=n2._parameters["weight"].data_ptr(), eps2=n2.eps,
+               ffn2=block._modules["mlp"]._modules["w_gate_up"].out_features, threads=torch.get_num_threads())
     assert rc == 0, "block_layer: shapes past the C code's limits"
     return y
 
