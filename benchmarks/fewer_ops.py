@@ -6,7 +6,7 @@ the step as first written ("before"), with each rewrite alone, and with all of t
 as it is), taking turns step by step: the single-stream decode step's median time (the kv stage, at the
 prompt's context) and its speed against "after" (the median of step-by-step ratios), the operators Python
 calls per step, and whether 32 greedy tokens equal "after"'s. Every setup runs the block as PyTorch operators
-(the rewrites are of those; the C block of `minillm/c_block.py` is off).
+(the rewrites are of those; the C block of `minillm/backends/c_block.py` is off).
 
     python benchmarks/fewer_ops.py [--steps 100] > benchmarks/results/cpu_fewer_ops.json
 """

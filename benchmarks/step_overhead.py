@@ -194,7 +194,7 @@ def main() -> None:
     speeds = {name: [] for name in models}
     # each format once more with torch's own kernel for every product (`minillm/backends/matvec.py` and the quantized
     # layers send a decode's few rows through C loops where this machine measured them faster), and float32
-    # activations once more with the C products but the block as PyTorch operators (`minillm/c_block.py`)
+    # activations once more with the C products but the block as PyTorch operators (`minillm/backends/c_block.py`)
     modes = {name: variants(m) for name, m in models.items()}
     for name, v in modes.items():
         speeds |= {name + suffix: [] for suffix in v if suffix}

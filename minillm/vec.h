@@ -1,4 +1,4 @@
-/* A vector of floats handled as one value, for the C kernels built on the learner's machine (`native.py`).
+/* A vector of floats handled as one value, for the C kernels built on the learner's machine (`cbuild.py`).
 
    `vec` holds VL floats, as many as one register of this CPU takes (-march=native): 16 with AVX-512, 8 with
    AVX2, 4 otherwise (SSE, NEON). It uses GCC and Clang vector extensions: the compiler turns each operation

@@ -14,7 +14,7 @@
 
    The products are `matvec.c`'s, for whichever format each weight is in (float32, int8 rows, Q4_1 blocks).
    With the two halves, attention stays with the caller, so every attention context (a paged pool, a
-   quantized cache) works as before. Built at first use by `native.py`. */
+   quantized cache) works as before. Built at first use by `cbuild.py`. */
 #include <math.h>
 #include <stdlib.h>
 #include "matvec.c"

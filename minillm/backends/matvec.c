@@ -13,7 +13,7 @@
      matvec_q4_1   llama.cpp's Q4_1 blocks of 32 weights (4-bit codes q, two float16 d and m per block,
                    w = q * d + m), the file's values re-laid out in tiles of 16 rows (see tile_q4_1).
                    Codes widen to floats in registers; no bfloat16 round trip.
-   K must be a multiple of 16 (of 32 for Q4_1). Built at first use by `native.py`. */
+   K must be a multiple of 16 (of 32 for Q4_1). Built at first use by `cbuild.py`. */
 #include <stdlib.h>
 #include "../vec.h"
 
