@@ -19,7 +19,6 @@ from __future__ import annotations
 import argparse
 import json
 import statistics
-import subprocess
 import sys
 import time
 from pathlib import Path
@@ -62,7 +61,7 @@ def main() -> None:
     ap.add_argument("--peer-python", default=None, help="a Python with llama-cpp-python (adds llama.cpp)")
     args = ap.parse_args()
     sys.path.insert(0, str(Path(__file__).parent))
-    from quantization import LLAMA_SCRIPT
+    from quantization import llama_peer, llama_turn
 
     torch.set_num_threads(2)
     tok = minillm.load_tokenizer()
@@ -72,8 +71,7 @@ def main() -> None:
     speeds = {k: [] for k in models}
     peer = None
     if args.peer_python:
-        peer = subprocess.Popen([args.peer_python, "-c", LLAMA_SCRIPT, str(minillm.find_model()), PROMPT,
-                                 str(args.rounds + 1)], stdin=subprocess.PIPE, stdout=subprocess.PIPE, text=True)
+        peer = llama_peer(args.peer_python, PROMPT, args.rounds + 1)
         speeds["llama.cpp, q4_file"] = []
     params = SamplingParams(max_tokens=64, ignore_eos=True)
     for rnd in tqdm(range(args.rounds + 1), desc="single stream", file=sys.stderr):     # round 0 warms up
@@ -82,9 +80,7 @@ def main() -> None:
             if rnd:
                 speeds[k].append(tps)
         if peer:
-            peer.stdin.write("go\n")
-            peer.stdin.flush()
-            tps = json.loads(peer.stdout.readline())["decode_tokens_per_s"]
+            tps = llama_turn(peer)
             if rnd:
                 speeds["llama.cpp, q4_file"].append(tps)
     by_round = lambda a, b: statistics.median(x / y for x, y in zip(speeds[a], speeds[b]))   # noqa: E731

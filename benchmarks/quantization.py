@@ -63,6 +63,19 @@ for rnd in range(int(sys.argv[3])):
     print(json.dumps({"decode_tokens_per_s": 64 / (time.perf_counter() - t)}), flush=True)
 """
 
+def llama_peer(python: str, prompt: str, turns: int):
+    """llama.cpp (llama-cpp-python in `python`) on the course model's GGUF file, waiting for its turns."""
+    return subprocess.Popen([python, "-c", LLAMA_SCRIPT, str(minillm.find_model()), prompt, str(turns)],
+                            stdin=subprocess.PIPE, stdout=subprocess.PIPE, text=True)
+
+
+def llama_turn(peer) -> float:
+    """One turn of llama.cpp's single-stream decode: tokens/s."""
+    peer.stdin.write("go\n")
+    peer.stdin.flush()
+    return json.loads(peer.stdout.readline())["decode_tokens_per_s"]
+
+
 RSS_SCRIPT = """
 import gc, os, resource, sys, torch, minillm
 torch.set_num_threads(2)
@@ -172,8 +185,7 @@ def main():
     speed = {k: {"single_stream_decode": [], "batch64_decode": [], "prefill_256": []} for k in timed}
     peer = None
     if args.peer_python:
-        peer = subprocess.Popen([args.peer_python, "-c", LLAMA_SCRIPT, str(minillm.find_model()), PROMPT,
-                                 str(args.rounds + 1)], stdin=subprocess.PIPE, stdout=subprocess.PIPE, text=True)
+        peer = llama_peer(args.peer_python, PROMPT, args.rounds + 1)
         speed["llama.cpp"] = {"single_stream_decode": []}
     for rnd in tqdm(range(args.rounds + 1), desc="rounds", file=sys.stderr):   # round 0 warms up
         for k, m in timed.items():
@@ -183,9 +195,7 @@ def main():
                 for metric, v in got.items():
                     speed[k][metric].append(v)
         if peer:
-            peer.stdin.write("go\n")
-            peer.stdin.flush()
-            v = json.loads(peer.stdout.readline())["decode_tokens_per_s"]
+            v = llama_turn(peer)
             if rnd:
                 speed["llama.cpp"]["single_stream_decode"].append(v)
 

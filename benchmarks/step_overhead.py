@@ -35,7 +35,6 @@ from __future__ import annotations
 import argparse
 import json
 import statistics
-import subprocess
 import sys
 import time
 from pathlib import Path
@@ -169,7 +168,7 @@ def main() -> None:
     ap.add_argument("--engine-only", action="store_true", help="only the machine's rates and the engine's step")
     args = ap.parse_args()
     sys.path.insert(0, str(Path(__file__).parent))
-    from quantization import LLAMA_SCRIPT
+    from quantization import llama_peer, llama_turn
 
     tok = minillm.load_tokenizer()
     ids = tok.encode(PROMPT)
@@ -201,8 +200,7 @@ def main() -> None:
     params = SamplingParams(max_tokens=64, ignore_eos=True)
     peer = None
     if args.peer_python:
-        peer = subprocess.Popen([args.peer_python, "-c", LLAMA_SCRIPT, str(minillm.find_model()), PROMPT,
-                                 str(args.rounds + 1)], stdin=subprocess.PIPE, stdout=subprocess.PIPE, text=True)
+        peer = llama_peer(args.peer_python, PROMPT, args.rounds + 1)
         speeds["llama.cpp"] = []
     for rnd in tqdm(range(args.rounds + 1), desc="rounds", file=sys.stderr):   # round 0 warms up
         for name, m in models.items() if not args.engine_only else ():
@@ -213,9 +211,7 @@ def main() -> None:
                 if rnd:
                     speeds[name + suffix].append(tps)
         if peer:
-            peer.stdin.write("go\n")
-            peer.stdin.flush()
-            tps = json.loads(peer.stdout.readline())["decode_tokens_per_s"]
+            tps = llama_turn(peer)
             if rnd:
                 speeds["llama.cpp"].append(tps)
         if rnd:
