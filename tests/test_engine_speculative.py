@@ -43,8 +43,8 @@ def check(engine, finals, solo, skip=()):
 
 @pytest.mark.parametrize("k", [1, 3, 5, 8])
 @pytest.mark.parametrize("proposer", ["ngram", "layers:20"])
-def test_greedy_tokens_unchanged_under_staggered_arrivals(model, tokenizer, prompts, solo, proposer, k):
-    engine = LLMEngine(model, tokenizer, kv_cache_memory=32 << 20, speculative=proposer,
+def test_greedy_tokens_unchanged_under_staggered_arrivals(backend_model, tokenizer, prompts, solo, proposer, k):
+    engine = LLMEngine(backend_model, tokenizer, kv_cache_memory=32 << 20, speculative=proposer,
                        num_speculative_tokens=k, verbose=False)
     n, length = (5, 16) if proposer == "ngram" else (3, 8)      # the layer-skipping draft is slow on a CPU
     finals = run(engine, prompts[:n], SamplingParams(max_tokens=length, ignore_eos=True), arrive_every=2)
@@ -156,18 +156,18 @@ def test_bad_speculative_options(model, tokenizer):
 
 
 @pytest.mark.parametrize("proposer", ["ngram", "layers:20"])
-def test_adaptive_speculation_keeps_every_requests_greedy_tokens(model, tokenizer, prompts, solo, proposer):
+def test_adaptive_speculation_keeps_every_requests_greedy_tokens(backend_model, tokenizer, prompts, solo, proposer):
     """Each request drafts 0..k tokens a step as its controller chooses from its acceptance and the step costs
     the engine fits; a tiny pool and budget make requests preempt and chunk meanwhile. The tokens are the
     solo greedy ones, and every request ends with no draft left."""
-    engine = LLMEngine(model, tokenizer, block_size=4, num_blocks=24, max_num_batched_tokens=12,
+    engine = LLMEngine(backend_model, tokenizer, block_size=4, num_blocks=24, max_num_batched_tokens=12,
                        speculative=proposer, num_speculative_tokens=4, adaptive_speculation=True, verbose=False)
     n = 5 if proposer == "ngram" else 3
     finals = run(engine, prompts[:n], GREEDY, arrive_every=2)
     check(engine, finals, solo[:n])
     assert all(r.spec_control is None or 0 <= r.spec_control.alpha <= 1 for r in engine.requests.values())
     with pytest.raises(ValueError, match="speculative"):
-        LLMEngine(model, tokenizer, num_blocks=8, adaptive_speculation=True, verbose=False)
+        LLMEngine(backend_model, tokenizer, num_blocks=8, adaptive_speculation=True, verbose=False)
 
 
 def draft_blocks_used(engine) -> int:

@@ -41,12 +41,12 @@ def on_and_off(model, tokenizer, prompts, wait_first=True, **options):
     return a, on
 
 
-def test_shared_system_prompt_is_computed_once(model, tokenizer):
+def test_shared_system_prompt_is_computed_once(backend_model, tokenizer):
     questions = ["When do you open on Saturday?", "How much is a baguette?", "Can I order a cake for tomorrow?"]
     prompts = [tokenizer.apply_chat_template([{"role": "system", "content": SYSTEM}, {"role": "user", "content": q}])
                for q in questions]
     shared = next(i for i, (a, b) in enumerate(zip(prompts[0], prompts[1])) if a != b)
-    outs, engine = on_and_off(model, tokenizer, prompts, kv_cache_memory=64 << 20)
+    outs, engine = on_and_off(backend_model, tokenizer, prompts, kv_cache_memory=64 << 20)
     assert outs[0].num_cached_tokens == 0
     for o in outs[1:]:
         assert o.num_cached_tokens == shared // 16 * 16 > 80        # every full block of the shared prefix
@@ -82,10 +82,10 @@ def test_two_requests_sharing_a_new_prefix_in_one_step(model, tokenizer):
     assert later[2].num_cached_tokens == 32
 
 
-def test_chunked_prefill_and_preemption_with_shared_prefixes(model, tokenizer):
+def test_chunked_prefill_and_preemption_with_shared_prefixes(backend_model, tokenizer):
     prefix = tokenizer.encode(SYSTEM)[:50]
     prompts = [prefix + tokenizer.encode(s) for s in (" First", " Second one", " Third", " A fourth, longer one")]
-    outs, engine = on_and_off(model, tokenizer, prompts, block_size=4, num_blocks=24, max_num_batched_tokens=16)
+    outs, engine = on_and_off(backend_model, tokenizer, prompts, block_size=4, num_blocks=24, max_num_batched_tokens=16)
     assert engine.stats()["num_preemptions"] > 0 and engine.stats()["prefix_cache_hits"] > 0
     assert engine.stats()["kv_blocks_used"] == 0
 

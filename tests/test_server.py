@@ -69,6 +69,22 @@ def test_chat_streamed_equals_whole_equals_engine(model, tokenizer, client):
     assert whole.usage.total_tokens == whole.usage.prompt_tokens + whole.usage.completion_tokens
 
 
+def test_each_backend_serves_the_engines_greedy_answers(model, native_model, tokenizer):
+    """The same weights served twice, on the torch and the native backend: chat and completions, whole and
+    streamed, give the torch engine's greedy text on both."""
+    chat_ref = engine_text(model, tokenizer, tokenizer.apply_chat_template(QUESTION), 24)
+    text_ref = engine_text(model, tokenizer, tokenizer.encode("1, 2, 3, 4,"), 10)
+    with live_server({"torch": model, "native": native_model}, tokenizer, max_model_len=512) as (url, _, _):
+        c = openai.OpenAI(base_url=f"{url}/v1", api_key="unused", max_retries=0)
+        for name in ("torch", "native"):
+            whole = c.chat.completions.create(model=name, messages=QUESTION, max_tokens=24, temperature=0)
+            streamed = "".join(ch.choices[0].delta.content or "" for ch in c.chat.completions.create(
+                model=name, messages=QUESTION, max_tokens=24, temperature=0, stream=True) if ch.choices)
+            assert whole.choices[0].message.content == streamed == chat_ref.text, name
+            done = c.completions.create(model=name, prompt="1, 2, 3, 4,", max_tokens=10, temperature=0)
+            assert done.choices[0].text == text_ref.text, name
+
+
 def test_completion_text_and_token_ids_streamed_with_usage(model, tokenizer, client):
     ids = tokenizer.encode("1, 2, 3, 4,")
     ref = engine_text(model, tokenizer, ids, 10)

@@ -47,10 +47,10 @@ def refs(model, tokenizer):
 
 @pytest.mark.parametrize("k", [1, 3, 5, 8])
 @pytest.mark.parametrize("proposer", ["ngram", "layers:20", "draft"])
-def test_greedy_output_is_unchanged(model, tokenizer, refs, proposer, k):
-    ids, ref = refs["passage"]
-    spec = DraftModelProposer(model) if proposer == "draft" else proposer
-    g = generate(model, tokenizer, ids, SamplingParams(max_tokens=40), stage="kv",
+def test_greedy_output_is_unchanged(backend_model, tokenizer, refs, proposer, k):
+    ids, ref = refs["passage"]                # on the torch backend; each backend must reproduce it
+    spec = DraftModelProposer(backend_model) if proposer == "draft" else proposer
+    g = generate(backend_model, tokenizer, ids, SamplingParams(max_tokens=40), stage="kv",
                  speculative=spec, num_speculative_tokens=k)
     assert g.token_ids == ref.token_ids and g.text == ref.text and g.finish_reason == ref.finish_reason
     assert g.spec_drafts > 0 and g.spec_accepted_tokens <= g.spec_draft_tokens <= k * g.spec_drafts
