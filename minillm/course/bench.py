@@ -83,6 +83,17 @@ def machine_caption(fig, info: dict | None = None, source: str = "measured live"
     fig.text(0.995, 0.005, f"{source}: {machine_label(info)}", ha="right", va="bottom", fontsize=7, color="gray")
 
 
+def timed_on(model) -> str:
+    """One line for a cell that times the model: which backend's kernels ran, on how many threads
+    ('timed on backend torch (PyTorch's operators), 2 threads')."""
+    from ..backends import describe
+
+    lines = describe(model)
+    said = lines[0] if len(lines) == 1 else lines[0] + " " + "; ".join(line.strip() for line in lines[1:])
+    said = said.replace(": ", " (", 1) + ")" if len(lines) == 1 else said
+    return f"timed on {said}, {torch.get_num_threads()} threads"
+
+
 RESULTS = Path(__file__).resolve().parents[2] / "benchmarks" / "results"
 
 
