@@ -73,6 +73,8 @@ class SamplingParams:
              "in (0, 10] (1 turns it off)"),
             ("logit_bias", self.logit_bias, all(t >= 0 and -100 <= b <= 100 for t, b in self.logit_bias),
              "token ids >= 0 with biases in [-100, 100]"),
+            ("seed", self.seed, self.seed is None or isinstance(self.seed, int) and -2**63 <= self.seed < 2**64,
+             "an integer in [-2**63, 2**64 - 1] (what a random generator's seed holds)"),
         ]
         for name in ("logprobs", "prompt_logprobs"):
             value = getattr(self, name)

@@ -139,7 +139,7 @@ class LLMEngine:
         cache_salt: requests with different salts never share cached blocks (e.g. one per user).
         n > 1: n samples of one prompt. The prompt is computed once; when it is done the request forks
         into n that share its blocks (copy-on-write), ids request_id, request_id/1, ... (returned);
-        with a seed, sample i uses seed + i."""
+        with a seed, sample i uses seed + i (wrapped into a generator's 64 bits)."""
         params = SamplingParams() if params is None else params
         if not isinstance(params, SamplingParams):
             raise ValueError(f"params must be a SamplingParams; got {type(params).__name__}")
@@ -155,7 +155,7 @@ class LLMEngine:
             raise ValueError("scoring a prompt (max_tokens=0) has one answer: n must be 1")
         arrival = time.perf_counter() if arrival_time is None else arrival_time
         forks = [self._new_request(rid, prompt, params if params.seed is None else
-                                   dataclasses.replace(params, seed=params.seed + i),
+                                   dataclasses.replace(params, seed=(params.seed + i + 2**63) % 2**64 - 2**63),
                                    arrival_time=arrival, cache_salt=cache_salt)
                  for i, rid in enumerate(ids[1:], 1)]
         req = self._new_request(request_id, prompt, params, arrival_time=arrival, cache_salt=cache_salt, forks=forks)

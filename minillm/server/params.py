@@ -98,11 +98,12 @@ def sampling_params(limits: Limits, body, prompt_len: int, chat: bool, grammar: 
         prompt_logprobs = body.logprobs if echo and body.logprobs is not None else (0 if max_tokens == 0 else None)
     if body.temperature > 2:
         raise APIError(400, f"'temperature' must be in [0, 2]; got {body.temperature}", "temperature")
-    try:
-        bias = {int(k): v for k, v in (body.logit_bias or {}).items()}
-    except ValueError:
-        raise APIError(400, f"'logit_bias' maps token ids to biases: its keys must be integers (as strings); "
-                            f"got {list(body.logit_bias)[:5]}", "logit_bias") from None
+    keys = list(body.logit_bias or {})
+    if not all(k.isascii() and k.isdigit() for k in keys):     # "7", not " 7", "1_0" or "٣" (int() takes those)
+        raise APIError(400, f"'logit_bias' maps token ids to biases: its keys must be token ids written in the "
+                            f"digits 0-9 (as strings); got {[k for k in keys if not (k.isascii() and k.isdigit())][:5]}",
+                       "logit_bias")
+    bias = {int(k): v for k, v in (body.logit_bias or {}).items()}
     try:
         params = SamplingParams(
             temperature=body.temperature, top_p=body.top_p, top_k=max(body.top_k, 0), min_p=body.min_p,

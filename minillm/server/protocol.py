@@ -10,14 +10,17 @@ repetition_penalty, ignore_eos, stream_options.continuous_usage_stats, and the /
 """
 from __future__ import annotations
 
-from typing import Literal
+from typing import ClassVar, Literal
 
-from pydantic import BaseModel, ConfigDict, Field, model_validator
+from pydantic import BaseModel, ConfigDict, Field, field_validator, model_validator
 from pydantic.json_schema import models_json_schema
 
 
 class _Body(BaseModel):
     model_config = ConfigDict(extra="forbid", strict=True)
+    # OpenAI's fields this server cannot act on: {field: (the values it can honour, what to send instead)}.
+    # null (or one of those values) means the default; any other value is a 400 that names the field.
+    honoured: ClassVar[dict[str, tuple[tuple, str]]] = {}
 
     @model_validator(mode="before")
     @classmethod
@@ -27,6 +30,14 @@ class _Body(BaseModel):
             fields = cls.model_fields
             return {k: v for k, v in data.items() if v is not None or k not in fields or fields[k].is_required()}
         return data
+
+    @field_validator("*")
+    @classmethod
+    def _honourable(cls, value, info):
+        rule = cls.honoured.get(info.field_name)
+        if rule is not None and value not in rule[0]:
+            raise ValueError(rule[1])
+        return value
 
 
 def _range(default, **bounds):
@@ -73,12 +84,28 @@ class _Sampling(_Body):
     logit_bias: dict[str, float] | None = None   # token id (as a string) -> bias in [-100, 100]
     user: str | None = None                      # accepted, not used
     response_format: ResponseFormat | None = None
+    # OpenAI's fields that SDKs send (often as null): honoured where they ask for what happens anyway
+    store: bool | None = None
+    metadata: dict | None = None
+    service_tier: str | None = None
+    safety_identifier: str | None = None         # accepted, not used (as user)
+    honoured: ClassVar = {
+        "store": ((False,), "this server keeps no completions: send false, or leave it out"),
+        "metadata": (({},), "metadata is kept with stored completions, and this server stores none: leave it out"),
+        "service_tier": (("auto", "default"), "this server has one tier: send 'auto' or 'default', or leave it out"),
+    }
 
 
 class CompletionRequest(_Sampling):
     prompt: str | list[int] | list[str] | list[list[int]]
     echo: bool = False                           # the prompt first in the answer (with logprobs: scored)
     logprobs: int | None = _range(None, minimum=0, maximum=20)   # log-probabilities of the tokens, with this many best
+    best_of: int | None = None                   # only 1: each of the n choices is an answer of its own
+    suffix: str | None = None                    # only "": no text after the completion (no fill-in-the-middle)
+    honoured: ClassVar = _Sampling.honoured | {
+        "best_of": ((1,), "this server returns every answer it makes (no best_of): use n, or send 1"),
+        "suffix": (("",), "this model does not fill in the middle: leave 'suffix' out"),
+    }
 
 
 class TextPart(_Body):
@@ -104,6 +131,15 @@ class Message(_Body):
     tool_calls: list[ToolCall] | None = None     # an assistant's calls, sent back with the tools' results
     tool_call_id: str | None = None              # a tool message: the call it answers
     refusal: str | None = None                   # accepted, not used
+    # an assistant message as the SDK returns it (message.model_dump()) carries these, null or empty
+    annotations: list | None = None
+    audio: dict | None = None
+    function_call: dict | None = None
+    honoured: ClassVar = {
+        "annotations": (([],), "this server makes no annotations: send [] or null"),
+        "audio": ((), "this server answers in text only: leave 'audio' out"),
+        "function_call": ((), "send the call in 'tool_calls' (function_call is OpenAI's older form)"),
+    }
 
     def text(self) -> str:
         if isinstance(self.content, list):
@@ -140,6 +176,26 @@ class ChatRequest(_Sampling):
     tools: list[Tool] | None = None
     tool_choice: Literal["none", "auto", "required"] | NamedToolChoice | None = None   # None: auto with tools
     parallel_tool_calls: bool = True
+    reasoning_effort: str | None = None
+    verbosity: str | None = None
+    modalities: list[str] | None = None
+    audio: dict | None = None
+    prediction: dict | None = None
+    web_search_options: dict | None = None
+    functions: list | None = None
+    function_call: str | dict | None = None
+    prompt_cache_key: str | None = None          # accepted: prefix caching finds shared prompts by content
+    honoured: ClassVar = _Sampling.honoured | {
+        "reasoning_effort": (("none",), "this model does not reason before it answers: send 'none', or leave it out"),
+        "verbosity": ((), "this server does not steer an answer's length that way: use max_tokens"),
+        "modalities": ((["text"],), "this server answers in text only: send [\"text\"], or leave it out"),
+        "audio": ((), "this server answers in text only: leave 'audio' out"),
+        "prediction": ((), "predicted outputs are not supported: leave 'prediction' out (--speculative drafts "
+                           "from the prompt instead)"),
+        "web_search_options": ((), "this server does not search the web: leave 'web_search_options' out"),
+        "functions": ((), "send them as 'tools' (functions is OpenAI's older form)"),
+        "function_call": ((), "send 'tool_choice' (function_call is OpenAI's older form)"),
+    }
 
 
 class TokenizeRequest(_Body):
@@ -198,4 +254,6 @@ def validation_message(err) -> tuple[str, str | None]:
         return f"unrecognized request argument supplied: {param}", param
     if e["type"] == "model_type":
         return "the body must be a JSON object", None
+    if e["type"] == "value_error":                   # a field's own rule (honoured): its message as written
+        return f"'{param}': {e['ctx']['error']} (got {e.get('input')!r:.80})", param
     return f"'{param}': {e['msg']} (got {e.get('input')!r:.80})", param

@@ -1,0 +1,103 @@
+"""What the SDKs' own helpers send, sent back to a live loopback server: an assistant message as
+`model_dump()` returns it, OpenAI's nullable request fields, echo + logprobs for every choice of n,
+strict logit_bias keys and seeds, tool parameters with $defs, nested objects in tool arguments, and a
+client that hangs up in the middle of its body."""
+import json
+import socket
+
+import httpx
+import pytest
+import torch
+
+from helpers.live_server import live_server
+
+openai = pytest.importorskip("openai")
+MODEL = "smol"
+
+
+@pytest.fixture(scope="module")
+def url(model, tokenizer):
+    with live_server(model, tokenizer, MODEL, max_model_len=512) as s:
+        yield s[0]
+
+
+@pytest.fixture(scope="module")
+def client(url):
+    return openai.OpenAI(base_url=f"{url}/v1", api_key="unused", max_retries=0)
+
+
+def post(url, path, body):
+    return httpx.post(f"{url}{path}", json=body, timeout=60)
+
+
+def test_the_usual_loop_sends_the_answer_back_as_model_dump_gives_it(client):
+    messages = [{"role": "user", "content": "Name a colour."}]
+    first = client.chat.completions.create(model=MODEL, messages=messages, max_tokens=8, temperature=0)
+    dumped = first.choices[0].message.model_dump()
+    assert {"refusal", "annotations", "audio", "function_call"} <= set(dumped)      # nulls the server must take
+    messages += [dumped, {"role": "user", "content": "And another?"}]
+    second = client.chat.completions.create(model=MODEL, messages=messages, max_tokens=8, temperature=0)
+    assert second.choices[0].message.content
+
+
+def test_openais_nullable_fields_null_or_honourable_mean_the_default(url):
+    chat = {"model": MODEL, "messages": [{"role": "user", "content": "Say hi"}], "max_tokens": 6, "seed": 3}
+    plain = post(url, "/v1/chat/completions", chat).json()["choices"][0]["message"]
+    for extra in [{k: None for k in ("store", "metadata", "service_tier", "reasoning_effort", "modalities",
+                                     "audio", "prediction", "web_search_options", "functions", "function_call",
+                                     "verbosity", "prompt_cache_key", "safety_identifier")},
+                  {"store": False, "service_tier": "auto", "reasoning_effort": "none", "modalities": ["text"],
+                   "prompt_cache_key": "user-7"}]:
+        r = post(url, "/v1/chat/completions", chat | extra)
+        assert r.status_code == 200 and r.json()["choices"][0]["message"] == plain, (extra, r.text)
+    text = {"model": MODEL, "prompt": "1, 2, 3,", "max_tokens": 4, "temperature": 0}
+    plain = post(url, "/v1/completions", text).json()["choices"][0]["text"]
+    for extra in [{"best_of": None, "suffix": None, "store": None, "metadata": None}, {"best_of": 1, "suffix": ""}]:
+        r = post(url, "/v1/completions", text | extra)
+        assert r.status_code == 200 and r.json()["choices"][0]["text"] == plain, (extra, r.text)
+
+
+@pytest.mark.parametrize("path, extra, param", [
+    ("/v1/chat/completions", {"store": True}, "store"),
+    ("/v1/chat/completions", {"metadata": {"user": "7"}}, "metadata"),
+    ("/v1/chat/completions", {"service_tier": "flex"}, "service_tier"),
+    ("/v1/chat/completions", {"reasoning_effort": "high"}, "reasoning_effort"),
+    ("/v1/chat/completions", {"modalities": ["text", "audio"]}, "modalities"),
+    ("/v1/chat/completions", {"functions": [{"name": "f"}]}, "functions"),
+    ("/v1/chat/completions", {"messages": [{"role": "user", "content": "hi"},
+                                           {"role": "assistant", "content": "", "audio": {"id": "a1"}}]},
+     "messages.1.audio"),
+    ("/v1/chat/completions", {"messages": [{"role": "user", "content": "hi"},
+                                           {"role": "assistant", "content": None,
+                                            "function_call": {"name": "f", "arguments": "{}"}}]},
+     "messages.1.function_call"),
+    ("/v1/chat/completions", {"bogus": None}, "bogus"),                          # unknown: still refused
+    ("/v1/completions", {"best_of": 3}, "best_of"),
+    ("/v1/completions", {"suffix": " and so on."}, "suffix"),
+])
+def test_a_value_the_server_cannot_honour_is_a_400_naming_it(url, path, extra, param):
+    base = {"model": MODEL, "max_tokens": 4} | ({"prompt": "hi"} if path == "/v1/completions" else
+                                                 {"messages": [{"role": "user", "content": "hi"}]})
+    r = post(url, path, base | extra)
+    assert r.status_code == 400 and r.json()["error"]["param"] == param, r.text
+    assert len(r.json()["error"]["message"]) < 200
+
+
+@pytest.mark.parametrize("key", [" 7", "٣", "1_0", "+7", "7.0", ""])
+def test_logit_bias_keys_are_plain_decimal_ids(url, key):
+    r = post(url, "/v1/completions", {"model": MODEL, "prompt": "hi", "max_tokens": 2, "logit_bias": {key: 5}})
+    assert r.status_code == 400 and r.json()["error"]["param"] == "logit_bias", r.text
+
+
+@pytest.mark.parametrize("seed", [2**64, -2**63 - 1])
+def test_a_seed_out_of_range_is_a_400_naming_it(url, seed):
+    r = post(url, "/v1/completions", {"model": MODEL, "prompt": "hi", "max_tokens": 2, "seed": seed})
+    assert r.status_code == 400 and r.json()["error"]["param"] == "seed", r.text
+    assert "2**64" in r.json()["error"]["message"] and "Overflow" not in r.json()["error"]["message"]
+
+
+def test_the_largest_seed_with_n_samples(url):
+    body = {"model": MODEL, "prompt": "Once upon a time", "max_tokens": 4, "n": 3, "seed": 2**64 - 2}
+    r = post(url, "/v1/completions", body)
+    assert r.status_code == 200 and len(r.json()["choices"]) == 3, r.text
+    assert r.json()["choices"] == post(url, "/v1/completions", body).json()["choices"]
