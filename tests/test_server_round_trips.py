@@ -101,3 +101,34 @@ def test_the_largest_seed_with_n_samples(url):
     r = post(url, "/v1/completions", body)
     assert r.status_code == 200 and len(r.json()["choices"]) == 3, r.text
     assert r.json()["choices"] == post(url, "/v1/completions", body).json()["choices"]
+
+
+def model_logprobs(model, ids) -> list[float]:
+    """log p(ids[i] | ids[:i]) for i >= 1, from the model's float32 logits."""
+    with torch.inference_mode():
+        lp = torch.log_softmax(model(torch.tensor([ids]))[0].float(), dim=-1)      # (T, vocab)
+    return lp[torch.arange(len(ids) - 1), torch.tensor(ids[1:])].tolist()
+
+
+def test_echo_and_logprobs_are_each_choices_own(url, model, tokenizer):
+    body = {"model": MODEL, "prompt": "The cat sat on the", "max_tokens": 2, "echo": True, "logprobs": 1, "n": 3,
+            "temperature": 1, "seed": 1}
+    whole = post(url, "/v1/completions", body).json()["choices"]
+    streamed = {}
+    with httpx.stream("POST", f"{url}/v1/completions", json=body | {"stream": True}, timeout=60) as r:
+        for line in r.iter_lines():
+            for c in json.loads(line[6:])["choices"] if line.startswith("data: {") else ():
+                s = streamed.setdefault(c["index"], {"text": "", "tokens": [], "token_logprobs": []})
+                s["text"] += c["text"]
+                s["tokens"] += c["logprobs"]["tokens"]
+                s["token_logprobs"] += c["logprobs"]["token_logprobs"]
+    assert len({c["text"] for c in whole}) > 1                     # the samples differ: each must be its own
+    prompt = tokenizer.encode(body["prompt"])
+    for c in whole:
+        lp = c["logprobs"]
+        assert "".join(lp["tokens"]) == c["text"] and c["text"].startswith(body["prompt"])
+        assert streamed[c["index"]] == {"text": c["text"], "tokens": lp["tokens"], "token_logprobs": lp["token_logprobs"]}
+        ids = prompt + [tokenizer.encode(t)[0] for t in lp["tokens"][len(prompt):]]
+        assert tokenizer.decode(ids) == c["text"]
+        assert lp["token_logprobs"][0] is None
+        assert lp["token_logprobs"][1:] == pytest.approx(model_logprobs(model, ids), abs=2e-3)

@@ -289,6 +289,8 @@ class Scheduler:
         for kid in kids:
             kid.first_scheduled_time, kid.status = parent.first_scheduled_time, Status.RUNNING
             kid.num_computed_tokens, kid.num_cached_tokens = parent.num_computed_tokens, parent.num_cached_tokens
+            if parent.prompt_logprobs is not None:      # one prompt, scored once: every sample reports it
+                kid.prompt_logprobs = parent.prompt_logprobs
             self.kv.fork(parent, kid)
             self.running.append(kid)
         return kids
