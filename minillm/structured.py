@@ -24,6 +24,7 @@ from functools import lru_cache
 import llguidance
 import torch
 
+from .json_schema import unsatisfiable
 from .tokenizer import Tokenizer, byte_to_unicode
 
 
@@ -69,6 +70,8 @@ def json_schema_grammar(schema: dict | bool) -> str:
     except (ValueError, RuntimeError, TypeError) as e:
         raise ValueError(f"the JSON schema is not valid: {e}") from None
     check_grammar(grammar, "JSON schema")
+    if (why := unsatisfiable(schema)) is not None:     # valid, but its grammar could never end: refuse it now
+        raise ValueError(f"the JSON schema cannot be satisfied: {why}")
     return grammar
 
 
@@ -116,7 +119,11 @@ class Constraint:
 
     @property
     def error(self) -> str | None:
-        return self.matcher.get_error() if self.matcher.is_error() else None
+        """What stopped the parser, in one short line (its full state runs to many lines)."""
+        if not self.matcher.is_error():
+            return None
+        lines = self.matcher.get_error().strip().splitlines() or ["the parser stopped"]
+        return lines[0] if len(lines[0]) <= 200 else lines[0][:200] + "…"
 
     @property
     def done(self) -> bool:

@@ -132,3 +132,83 @@ def test_echo_and_logprobs_are_each_choices_own(url, model, tokenizer):
         assert tokenizer.decode(ids) == c["text"]
         assert lp["token_logprobs"][0] is None
         assert lp["token_logprobs"][1:] == pytest.approx(model_logprobs(model, ids), abs=2e-3)
+
+
+def test_pydantic_function_tool_with_defs_and_parse(client):
+    """openai's own helpers: pydantic_function_tool writes the enum as a $defs entry (a strict tool), and
+    parse() reads the call back into the pydantic model."""
+    from enum import Enum
+
+    from pydantic import BaseModel
+
+    class Unit(str, Enum):
+        c = "c"
+        f = "f"
+
+    class GetWeather(BaseModel):
+        city: str
+        unit: Unit
+
+    tool = openai.pydantic_function_tool(GetWeather)
+    assert "$defs" in tool["function"]["parameters"] and tool["function"]["strict"]
+    r = client.chat.completions.parse(model=MODEL, messages=[{"role": "user", "content": "Weather in Paris, in c?"}],
+                                      tools=[tool], tool_choice="required", max_tokens=60, temperature=0)
+    choice = r.choices[0]
+    assert choice.finish_reason == "tool_calls" and choice.message.content is None
+    args = choice.message.tool_calls[0].function.parsed_arguments
+    assert isinstance(args, GetWeather) and args.unit in (Unit.c, Unit.f)
+
+
+def test_nested_objects_in_tool_arguments_take_only_their_listed_properties(url):
+    """LangChain's bind_tools with a pydantic sub-model: the nested object does not set additionalProperties."""
+    jsonschema = pytest.importorskip("jsonschema")
+    params = {"type": "object", "required": ["place"], "properties": {
+        "place": {"type": "object", "required": ["city", "country"],
+                  "properties": {"city": {"type": "string", "maxLength": 20},
+                                 "country": {"type": "string", "maxLength": 20}}}}}
+    body = {"model": MODEL, "messages": [{"role": "user", "content": "Book a hotel in Lyon, France."}],
+            "tools": [{"type": "function", "function": {"name": "book", "parameters": params}}],
+            "tool_choice": "required", "max_tokens": 80, "temperature": 0}
+    choice = post(url, "/v1/chat/completions", body).json()["choices"][0]
+    assert choice["finish_reason"] == "tool_calls" and not choice["message"]["content"], choice
+    args = json.loads(choice["message"]["tool_calls"][0]["function"]["arguments"])
+    closed = json.loads(json.dumps(params).replace('"required"', '"additionalProperties": false, "required"'))
+    jsonschema.validate(args, closed)                  # no key beyond those listed, at either depth
+
+
+LOOP = {"$defs": {"a": {"$ref": "#/$defs/b"}, "b": {"$ref": "#/$defs/a"}}, "$ref": "#/$defs/a"}
+ENDLESS = {"$defs": {"node": {"type": "object", "properties": {"next": {"$ref": "#/$defs/node"}},
+                              "required": ["next"]}}, "$ref": "#/$defs/node"}
+
+
+@pytest.mark.parametrize("schema", [LOOP, ENDLESS], ids=["a-b-a", "endless"])
+@pytest.mark.parametrize("where", ["response_format", "tools"])
+@pytest.mark.parametrize("stream", [False, True])
+def test_a_schema_nothing_satisfies_is_refused_before_generation(url, schema, where, stream):
+    body = {"model": MODEL, "messages": [{"role": "user", "content": "hi"}], "max_tokens": 8, "stream": stream}
+    if where == "tools":
+        body |= {"tools": [{"type": "function", "function": {"name": "f", "parameters": schema}}],
+                 "tool_choice": "required"}
+    else:
+        body |= {"response_format": {"type": "json_schema", "json_schema": {"name": "x", "schema": schema}}}
+    r = post(url, "/v1/chat/completions", body)
+    assert r.status_code == 400 and r.json()["error"]["param"] == where, r.text
+    assert "cannot be satisfied" in r.json()["error"]["message"] and len(r.json()["error"]["message"]) < 300
+
+
+def test_the_tools_grammar_refuses_a_key_not_listed_at_any_depth(tokenizer):
+    from minillm.server.tools import tools_grammar
+    from minillm.structured import Constraint
+
+    params = {"type": "object", "required": ["place"], "properties": {"place": {"$ref": "#/$defs/Place"}},
+              "$defs": {"Place": {"type": "object", "required": ["city"], "properties": {"city": {"type": "string"}}}}}
+    grammar = tools_grammar([{"name": "book", "parameters": params}], "required", parallel=False)
+
+    def accepted(arguments):
+        c = Constraint(grammar, tokenizer)
+        text = '<tool_call>\n{"name":"book","arguments":' + arguments + '}\n</tool_call>'
+        return all(c.accept(t) for t in tokenizer.encode(text)) and c.done
+
+    assert accepted('{"place":{"city":"Lyon"}}')
+    assert not accepted('{"place":{"city":"Lyon","stars":5}}')       # nested, inside a $defs entry
+    assert not accepted('{"place":{"city":"Lyon"},"nights":2}')      # top level

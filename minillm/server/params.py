@@ -49,6 +49,8 @@ def answer_grammar(body, tools=None, choice=None) -> str | None:
         schema = rf.json_schema.schema_ if rf.json_schema.schema_ is not None else {"type": "object"}
     try:
         if choice is not None:
+            if schema is not None:
+                structured.json_schema_grammar(schema)            # a clear error for a bad text schema
             text = None if schema is None else \
                 "%json " + json.dumps({"x-guidance": tool_calls._COMPACT, **schema})
             return tool_calls.tools_grammar(tools, choice, body.parallel_tool_calls, text)

@@ -27,7 +27,9 @@ from __future__ import annotations
 import json
 import re
 import uuid
+from urllib.parse import quote
 
+from ..json_schema import closed
 from ..structured import json_schema_grammar, lark_grammar, schema_text
 
 CALL_OPEN, CALL_CLOSE = "<tool_call>\n", "\n</tool_call>"
@@ -77,11 +79,11 @@ def _arguments(text: str):
 
 def call_schema(tool: dict) -> dict:
     """The JSON of one call of this function: its name, then its arguments under its parameters schema.
-    A function takes the arguments it declares: unless its schema says otherwise, no others (a small
-    model offered "any other property" invents them until max_tokens)."""
-    params = tool.get("parameters") or {"type": "object", "properties": {}}
-    if params.get("type") == "object" and "additionalProperties" not in params:
-        params = {**params, "additionalProperties": False}
+    A function takes the arguments it declares: unless its schema says otherwise, no others, in every
+    object at every depth (a small model offered "any other property" invents them until max_tokens)."""
+    params = closed(tool.get("parameters") or {"type": "object", "properties": {}})
+    # its own resource ($id): its '#/$defs/...' pointers resolve inside it, not in the schema around it
+    params = {"$id": f"urn:minillm:tool:{quote(tool['name'], safe='')}", **params}
     return {"type": "object", "properties": {"name": {"const": tool["name"]}, "arguments": params},
             "required": ["name", "arguments"], "additionalProperties": False}
 
