@@ -3,7 +3,9 @@
 strict logit_bias keys and seeds, tool parameters with $defs, nested objects in tool arguments, and a
 client that hangs up in the middle of its body."""
 import json
+import logging
 import socket
+import time
 
 import httpx
 import pytest
@@ -212,3 +214,23 @@ def test_the_tools_grammar_refuses_a_key_not_listed_at_any_depth(tokenizer):
     assert accepted('{"place":{"city":"Lyon"}}')
     assert not accepted('{"place":{"city":"Lyon","stars":5}}')       # nested, inside a $defs entry
     assert not accepted('{"place":{"city":"Lyon"},"nights":2}')      # top level
+
+
+def test_a_client_that_hangs_up_mid_body_leaves_no_traceback(url):
+    records = []
+    keep = logging.Handler()
+    keep.emit = records.append
+    log = logging.getLogger("uvicorn.error")
+    log.addHandler(keep)
+    try:
+        port = int(url.rsplit(":", 1)[1])
+        for _ in range(3):
+            with socket.create_connection(("127.0.0.1", port), timeout=10) as s:
+                s.sendall(b"POST /v1/completions HTTP/1.1\r\nHost: x\r\nContent-Type: application/json\r\n"
+                          b"Content-Length: 1000\r\n\r\n{\"model\": \"smol\", ")
+                time.sleep(0.2)
+        time.sleep(0.5)
+        assert httpx.get(f"{url}/health").status_code == 200
+    finally:
+        log.removeHandler(keep)
+    assert not [r for r in records if r.levelno >= logging.ERROR or r.exc_info], [r.getMessage() for r in records]

@@ -30,6 +30,7 @@ from fastapi import Depends, FastAPI, Request
 from fastapi.responses import JSONResponse, Response, StreamingResponse
 from pydantic import ValidationError
 from starlette.exceptions import HTTPException as StarletteHTTPException
+from starlette.requests import ClientDisconnect
 
 from ..routing import TOP_LOGPROBS, RoutePolicy
 from . import tools as tool_calls
@@ -304,10 +305,13 @@ async def _parse(request: Request, model):
     if size is not None and size.isdigit() and int(size) > MAX_BODY_BYTES:
         raise APIError(413, f"the body is {int(size)} bytes; the limit is {MAX_BODY_BYTES}")
     raw = bytearray()
-    async for chunk in request.stream():
-        raw += chunk
-        if len(raw) > MAX_BODY_BYTES:
-            raise APIError(413, f"the body is over the limit of {MAX_BODY_BYTES} bytes")
+    try:
+        async for chunk in request.stream():
+            raw += chunk
+            if len(raw) > MAX_BODY_BYTES:
+                raise APIError(413, f"the body is over the limit of {MAX_BODY_BYTES} bytes")
+    except ClientDisconnect:              # the client hung up mid-body: nothing to answer, nothing to log
+        raise APIError(400, "the client closed the connection before its body was complete") from None
     try:
         return model.model_validate_json(bytes(raw))
     except ValidationError as e:
