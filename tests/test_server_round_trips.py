@@ -234,3 +234,36 @@ def test_a_client_that_hangs_up_mid_body_leaves_no_traceback(url):
     finally:
         log.removeHandler(keep)
     assert not [r for r in records if r.levelno >= logging.ERROR or r.exc_info], [r.getMessage() for r in records]
+
+
+@pytest.mark.parametrize("max_tokens", [5, 40])
+def test_a_tool_call_cut_by_max_tokens_sends_no_markup(client, max_tokens):
+    weather = {"type": "function", "function": {"name": "get_weather", "parameters": {
+        "type": "object", "required": ["city"], "properties": {"city": {"type": "string"}}}}}
+    kw = dict(model=MODEL, messages=[{"role": "user", "content": "Weather in Paris and in Rome?"}], tools=[weather],
+              tool_choice="required", max_tokens=max_tokens, temperature=0)
+    r = client.chat.completions.create(**kw)
+    msg = r.choices[0].message
+    assert r.choices[0].finish_reason == "length" and msg.content is None
+    content, calls = "", []
+    for chunk in client.chat.completions.create(**kw, stream=True):
+        content += chunk.choices[0].delta.content or ""
+        calls += chunk.choices[0].delta.tool_calls or []
+    assert content == "" and len(calls) == len(msg.tool_calls or [])
+
+
+def test_logprobs_stop_where_a_stop_string_cuts_the_text(client):
+    q = [{"role": "user", "content": "What is the capital of France?"}]
+    kw = dict(model=MODEL, messages=q, max_tokens=24, temperature=0, logprobs=True, stop=[" of France"])
+    r = client.chat.completions.create(**kw)
+    text, tokens = r.choices[0].message.content, [t.token for t in r.choices[0].logprobs.content]
+    assert text and "".join(tokens) == text
+    streamed, stream_tokens = "", []
+    for chunk in client.chat.completions.create(**kw, stream=True):
+        if chunk.choices:
+            streamed += chunk.choices[0].delta.content or ""
+            stream_tokens += [t.token for t in chunk.choices[0].logprobs.content] if chunk.choices[0].logprobs else []
+    assert (streamed, stream_tokens) == (text, tokens)
+    done = client.completions.create(model=MODEL, prompt="The capital of France is", max_tokens=12, temperature=0,
+                                     logprobs=1, stop=["."])
+    assert "".join(done.choices[0].logprobs.tokens) == done.choices[0].text

@@ -9,7 +9,7 @@ import jsonschema
 import pytest
 
 from helpers.live_server import live_server
-from minillm.server.tools import ToolCallStream, parse_calls, split_calls
+from minillm.server.tools import ToolCallStream, parse_calls, split_answer, split_calls
 
 openai = pytest.importorskip("openai")
 MODEL = "smol"
@@ -120,7 +120,7 @@ def test_calls_cut_short_keep_the_whole_ones_streamed_or_not(client):
     msg, reason = r.choices[0].message, r.choices[0].finish_reason
     assert reason == "length" and msg.tool_calls, (reason, msg)
     assert_valid_calls([c.model_dump() for c in msg.tool_calls])
-    assert msg.content.startswith("<tool_call>") and "</tool_call>" not in msg.content   # the unfinished one
+    assert msg.content is None                            # the unfinished call is dropped, not sent as markup
     calls, content, reasons = [], "", []
     for chunk in client.chat.completions.create(**kw, stream=True):
         d = chunk.choices[0].delta
@@ -128,7 +128,7 @@ def test_calls_cut_short_keep_the_whole_ones_streamed_or_not(client):
         content += d.content or ""
         reasons.append(chunk.choices[0].finish_reason)
     assert calls == [(c.function.name, c.function.arguments) for c in msg.tool_calls]
-    assert content == msg.content and reasons[-1] == "length"
+    assert content == "" and reasons[-1] == "length"
 
 
 def test_a_named_function_one_call_and_none(url):
@@ -215,10 +215,14 @@ def test_tool_call_stream_gives_the_whole_answers_calls_in_any_pieces():
                 got += [(c["function"]["name"], c["function"]["arguments"]) for c in d["tool_calls"]]
         assert got == whole and s.called
     cut = ToolCallStream()
-    assert cut.push(text[:30], False) == [] and cut.push(text[30:40], True) == [{"content": text[:40]}]
+    assert cut.push(text[:30], False) == [] and cut.push(text[30:40], True) == []     # cut short: dropped
     calls, tail = split_calls(text + "\n<tool_call>\n{\"na")
     assert [c["function"]["name"] for c in calls] == ["get_time", "get_weather"] and tail == "\n<tool_call>\n{\"na"
+    names = lambda answer: ([c["function"]["name"] for c in answer[0]], answer[1])     # noqa: E731 (ids are new)
+    assert names(split_answer(text + "\n<tool_call>\n{\"na")) == (["get_time", "get_weather"], None)
+    assert split_answer(text[:40]) == ([], None)
+    assert split_answer("<tool") == ([], None) and split_answer("Hello") == ([], "Hello")
     after = ToolCallStream()
-    assert [list(d) for d in after.push(text + "\n<tool_call>\n{", True)] == [["tool_calls"], ["tool_calls"], ["content"]]
+    assert [list(d) for d in after.push(text + "\n<tool_call>\n{", True)] == [["tool_calls"], ["tool_calls"]]
     plain = ToolCallStream()
     assert plain.push("Hi", False) == [{"content": "Hi"}] and parse_calls("Hi") is None

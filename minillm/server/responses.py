@@ -22,6 +22,8 @@ class Shape:
         self.offsets: dict[int, int] = {}        # streamed completions: each choice's text so far, in characters
         self.tools = tools
         self.tool_streams: dict[int, tool_calls.ToolCallStream] = {}   # streamed chat with tools, per choice
+        self.sent_bytes: dict[int, list[int]] = {}    # streamed: each choice's [text bytes, token bytes] so far
+        self.pending: dict[int, list] = {}            # streamed: each choice's tokens ahead of its text
 
     def obj(self, kind: str, choices: list, usage=None) -> dict:
         d = {"id": self.rid, "object": kind, "created": self.created, "model": self.model, "choices": choices}
@@ -32,6 +34,16 @@ class Shape:
     def usage(self, completion_tokens: int) -> dict:
         return {"prompt_tokens": self.prompt_tokens, "completion_tokens": completion_tokens,
                 "total_tokens": self.prompt_tokens + completion_tokens}
+
+    def within(self, token_ids, logprobs, text_bytes: int, start: int = 0):
+        """The tokens (and logprobs) that start inside the answer's first text_bytes bytes, start: the bytes of
+        its tokens before these. A stop string cuts the text; the tokens past the cut go with it."""
+        n, pos = 0, start
+        for t in token_ids:
+            if pos >= text_bytes:
+                break
+            pos, n = pos + len(self.tok.decode_bytes([t])), n + 1
+        return token_ids[:n], None if logprobs is None else logprobs[:n]
 
     def logprobs(self, token_ids, logprobs):
         """Chat's logprobs object for these tokens (None when not asked for)."""
@@ -74,14 +86,15 @@ class Shape:
 
     def choice(self, index: int, out) -> dict:
         if self.chat:
-            message, reason = {"role": "assistant", "content": out.text}, out.finish_reason
-            calls, rest = tool_calls.split_calls(out.text) if self.tools else ([], out.text)
-            if calls:                   # (cut short by max_tokens: the whole calls, the tail as content)
-                message = {"role": "assistant", "content": rest.strip("\n") or None, "tool_calls": calls}
+            calls, content = tool_calls.split_answer(out.text) if self.tools else ([], out.text)
+            message, reason = {"role": "assistant", "content": content}, out.finish_reason
+            if calls:                   # (cut short by max_tokens: the whole calls, and "length")
+                message["tool_calls"] = calls
                 reason = "length" if reason == "length" else "tool_calls"
-            return {"index": index, "message": message, "logprobs": self.logprobs(out.token_ids, out.logprobs),
-                    "finish_reason": reason}
-        text, lp = self._completion(index, out, out.text, out.token_ids, out.logprobs, first=True)
+            kept = self.within(out.token_ids, out.logprobs, len(out.text.encode()))
+            return {"index": index, "message": message, "logprobs": self.logprobs(*kept), "finish_reason": reason}
+        ids, lps = self.within(out.token_ids, out.logprobs, len(out.text.encode()))
+        text, lp = self._completion(index, out, out.text, ids, lps, first=True)
         return {"index": index, "text": text, "logprobs": lp, "finish_reason": out.finish_reason}
 
     def delta(self, index: int, out, first: bool, token_ids: list[int], logprobs) -> dict:
@@ -89,6 +102,15 @@ class Shape:
         reason, text = out.finish_reason if out.finished else None, out.new_text
         if self.chat and self.tools:
             return self._tool_delta(index, out, first, token_ids, logprobs)
+        # a token goes out with the chunk whose text reaches it: the text lags the tokens (a possible stop
+        # string is held back), and the tokens a stop string cuts off never go out
+        sent, pending = self.sent_bytes.setdefault(index, [0, 0]), self.pending.get(index, [])
+        pairs = pending + list(zip(token_ids, logprobs if logprobs is not None else [None] * len(token_ids)))
+        sent[0] += len(text.encode())
+        ids, _ = self.within([t for t, _ in pairs], None, sent[0], sent[1])
+        self.pending[index] = [] if out.finished else pairs[len(ids):]
+        token_ids, logprobs = ids, None if logprobs is None else [lp for _, lp in pairs[:len(ids)]]
+        sent[1] += sum(len(self.tok.decode_bytes([t])) for t in token_ids)
         if self.chat:
             d = {"role": "assistant", "content": text} if first else ({"content": text} if text else {})
             return {"index": index, "delta": d, "logprobs": self.logprobs(token_ids, logprobs), "finish_reason": reason}

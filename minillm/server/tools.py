@@ -121,6 +121,16 @@ def split_calls(text: str) -> tuple[list[dict], str]:
     return calls, text[pos:]
 
 
+def split_answer(text: str) -> tuple[list[dict], str | None]:
+    """An answer under tools -> (its whole calls, its text content). An answer that is calls has no content:
+    a call max_tokens cut short is dropped (finish_reason "length" says so), never sent as raw markup."""
+    calls, rest = split_calls(text)
+    tail = rest.lstrip("\n") if calls else rest
+    if calls or tail.startswith(CALL_OPEN) or tail and CALL_OPEN.startswith(tail):
+        return calls, None
+    return [], text
+
+
 def parse_calls(text: str) -> list[dict] | None:
     """An answer made only of tool-call blocks -> OpenAI's tool_calls; None if it is not one."""
     calls, rest = split_calls(text)
@@ -129,8 +139,8 @@ def parse_calls(text: str) -> list[dict] | None:
 
 class ToolCallStream:
     """One streamed choice under tools: text deltas pass through as content; an answer that starts with
-    a call is held until each call is whole, then sent as one tool_calls delta. What is left when the
-    answer ends (calls cut short by max_tokens) is sent as content: nothing is lost."""
+    a call is held until each call is whole, then sent as one tool_calls delta. A call that max_tokens
+    cuts short is dropped, as in the whole answer (split_answer): no raw markup reaches content."""
 
     def __init__(self):
         self.text = ""
@@ -152,10 +162,8 @@ class ToolCallStream:
                 break
             deltas.append({"tool_calls": [{"index": self.num_calls, **calls[0]}]})
             self.num_calls, self.sent = self.num_calls + 1, m.end()
-        if (self.mode == "text" or finished) and len(self.text) > self.sent:
-            tail = self.text[self.sent:].strip("\n") if self.called else self.text[self.sent:]
-            if tail:                     # (after whole calls: the one max_tokens cut short)
-                deltas.append({"content": tail})
+        if self.mode == "text" and len(self.text) > self.sent:
+            deltas.append({"content": self.text[self.sent:]})
             self.sent = len(self.text)
         return deltas
 
