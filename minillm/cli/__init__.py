@@ -1,9 +1,9 @@
-"""`python -m minillm generate | chat | serve | bench | course`: one module per command.
+"""`python -m minillm generate | chat | serve | bench | export | course`: one module per command.
 
     parser.py            the arguments of every command
     common.py            loading, sampling settings, the checks every command makes, a one-line failure
     generate.py          generate (tensor_parallel.py: with --tensor-parallel N)
-    chat.py, serve.py, bench.py, course.py
+    chat.py, serve.py, bench.py, export.py, course.py
 
 Bad input (unknown stage, missing model, invalid sampling values, a prompt longer
 than the context) ends the command with one line on stderr that says what to
@@ -42,6 +42,7 @@ def main(argv=None) -> None:
     from .bench import cmd_bench
     from .chat import cmd_chat
     from .course import cmd_course
+    from .export import cmd_export
     from .generate import cmd_generate
     from .serve import cmd_serve
 
@@ -49,7 +50,7 @@ def main(argv=None) -> None:
     _log_to_stderr()
     try:
         {"generate": cmd_generate, "chat": cmd_chat, "bench": cmd_bench, "course": cmd_course,
-         "serve": cmd_serve}[args.command](args)
+         "serve": cmd_serve, "export": cmd_export}[args.command](args)
     except (ValueError, ModelNotFoundError, TritonUnavailable) as e:
         fail(str(e))
     except BrokenPipeError:

@@ -134,6 +134,13 @@ def build_parser() -> argparse.ArgumentParser:
     _add_attention_arg(se)
     _add_speculative_args(se)
 
+    ex = sub.add_parser("export", help="write the model as a Hugging Face folder (config, safetensors, tokenizer, "
+                                       "chat template) for transformers, vLLM, guidellm and lm-eval")
+    ex.add_argument("dir", help="the folder to write (new or empty)")
+    ex.add_argument("--model", default=None, help="a .gguf file (default: the course model)")
+    ex.add_argument("--dtype", default="float32", choices=["float32", "bfloat16", "float16"],
+                    help="of the weights written (default float32: the weights minillm computes with)")
+
     co = sub.add_parser("course", help="open the course notebooks in JupyterLab")
     co.add_argument("--port", type=int, default=None)
     co.add_argument("--dry-run", action="store_true", help="print the command instead of running it")
