@@ -7,13 +7,19 @@ reported as skipped), and the openai client, which comes with minillm.
 It starts `python -m minillm serve` on a free loopback port and runs:
 
 - openai: chat (whole and streamed), a completion with echo + logprobs, models.retrieve;
+- round trips: what the SDKs' helpers send back (message.model_dump(), nullable fields, pydantic_function_tool
+  with $defs + parse), echo + logprobs for n = 3 against the model, a schema nothing satisfies, strict
+  logit_bias keys and seeds, a tool call cut by max_tokens, chat logprobs with a stop string, a client that
+  hangs up mid-body;
 - lm-eval: `local-completions` with its remote tokenizer (/tokenizer_info, /tokenize) on a multiple-choice
   task read from data/capitals_mc.jsonl (nothing is fetched from a hub); each answer's loglikelihood is
   compared with the same sum computed from the model directly;
 - langchain-openai: `OpenAI` (completions) and `ChatOpenAI` invoke and stream, and its structured output
-  and tool binding;
+  and tool binding (a pydantic sub-model too);
 - guidellm (0.8, its `run` command): a short synchronous benchmark of streamed chat requests (its default
-  request bodies), with a tokenizer folder written from the model's GGUF file for its synthetic prompts.
+  request bodies), then its default `sweep` (synchronous, throughput, constant rates between them; each
+  strategy --sweep-seconds long), with the tokenizer `python -m minillm export` writes (minillm's own ids)
+  for its synthetic prompts.
 
 Each check prints `pass`, `FAIL` (with the error) or `skipped`; --json writes them all.
 """
@@ -73,6 +79,115 @@ def openai_checks(url: str, results: dict) -> None:
         return f"{len(lp.tokens)} tokens scored"
     check(results, "openai", "completion echo + logprobs", echo)
     check(results, "openai", "models.retrieve", lambda: c.models.retrieve(NAME).id)
+
+
+# ---------------------------------------------------------------- round trips: what the SDKs' helpers send back
+def round_trip_checks(url: str, results: dict, model, tok) -> None:
+    import socket
+    from enum import Enum
+
+    import httpx
+    import openai
+    import torch
+    from pydantic import BaseModel
+
+    c = openai.OpenAI(base_url=f"{url}/v1", api_key="unused", max_retries=0)
+    R = "round trips"
+
+    def post(path, body, status=200):
+        r = httpx.post(f"{url}{path}", json=body, timeout=120)
+        assert r.status_code == status, f"{r.status_code}: {r.text[:300]}"
+        return r.json()
+
+    def model_dump_loop():
+        messages = [{"role": "user", "content": "Name a colour."}]
+        first = c.chat.completions.create(model=NAME, messages=messages, max_tokens=8, temperature=0)
+        messages += [first.choices[0].message.model_dump(), {"role": "user", "content": "Another?"}]
+        return c.chat.completions.create(model=NAME, messages=messages, max_tokens=8, temperature=0
+                                         ).choices[0].message.content
+    check(results, R, "messages.append(message.model_dump())", model_dump_loop)
+
+    def nullable_fields():
+        body = {"model": NAME, "messages": [{"role": "user", "content": "Say hi"}], "max_tokens": 4}
+        post("/v1/chat/completions", body | {k: None for k in ("store", "metadata", "service_tier",
+                                                                 "reasoning_effort")})
+        post("/v1/completions", {"model": NAME, "prompt": "hi", "max_tokens": 4, "best_of": None, "suffix": None})
+        err = post("/v1/chat/completions", body | {"store": True}, 400)["error"]
+        return f"nulls taken; store: true -> 400 naming {err['param']!r}"
+    check(results, R, "OpenAI's nullable fields", nullable_fields)
+
+    def parse_with_defs():
+        class Unit(str, Enum):
+            c = "c"
+            f = "f"
+
+        class GetWeather(BaseModel):
+            city: str
+            unit: Unit
+
+        r = c.chat.completions.parse(model=NAME, messages=[{"role": "user", "content": "Weather in Paris, in c?"}],
+                                     tools=[openai.pydantic_function_tool(GetWeather)], tool_choice="required",
+                                     max_tokens=60, temperature=0)
+        return repr(r.choices[0].message.tool_calls[0].function.parsed_arguments)
+    check(results, R, "pydantic_function_tool ($defs) + parse", parse_with_defs)
+
+    def echo_n():
+        body = {"model": NAME, "prompt": "The cat sat on the", "max_tokens": 2, "echo": True, "logprobs": 1, "n": 3,
+                "temperature": 1, "seed": 1}
+        prompt, worst = tok.encode(body["prompt"]), 0.0
+        for ch in post("/v1/completions", body)["choices"]:
+            lp = ch["logprobs"]
+            assert "".join(lp["tokens"]) == ch["text"], ch
+            ids = prompt + [tok.encode(t)[0] for t in lp["tokens"][len(prompt):]]
+            with torch.inference_mode():
+                ref = torch.log_softmax(model(torch.tensor([ids]))[0], -1)[torch.arange(len(ids) - 1),
+                                                                           torch.tensor(ids[1:])]
+            worst = max(worst, max(abs(a - b) for a, b in zip(lp["token_logprobs"][1:], ref.tolist())))
+        assert worst < 2e-3, worst
+        return f"3 choices, each its own tokens; logprobs within {worst:.1e} of the model's"
+    check(results, R, "echo + logprobs, n = 3", echo_n)
+
+    def unsatisfiable():
+        loop = {"$defs": {"a": {"$ref": "#/$defs/b"}, "b": {"$ref": "#/$defs/a"}}, "$ref": "#/$defs/a"}
+        err = post("/v1/chat/completions", {"model": NAME, "messages": [{"role": "user", "content": "hi"}],
+                                            "response_format": {"type": "json_schema", "json_schema": {
+                                                "name": "x", "schema": loop}}}, 400)["error"]
+        return err["message"][:80]
+    check(results, R, "a schema nothing satisfies: 400", unsatisfiable)
+
+    def strict_values():
+        for bad in (" 7", "1_0", "\u0663"):
+            post("/v1/completions", {"model": NAME, "prompt": "hi", "max_tokens": 1, "logit_bias": {bad: 1}}, 400)
+        err = post("/v1/completions", {"model": NAME, "prompt": "hi", "max_tokens": 1, "seed": 2**64}, 400)["error"]
+        return f"logit_bias keys refused; seed 2**64: {err['message'][:60]}"
+    check(results, R, "logit_bias keys and seed range", strict_values)
+
+    def cut_call():
+        tool = {"type": "function", "function": {"name": "get_weather", "parameters": {
+            "type": "object", "properties": {"city": {"type": "string"}}, "required": ["city"]}}}
+        r = c.chat.completions.create(model=NAME, messages=[{"role": "user", "content": "Weather in Rome?"}],
+                                      tools=[tool], tool_choice="required", max_tokens=5, temperature=0)
+        assert r.choices[0].finish_reason == "length" and r.choices[0].message.content is None, r.choices[0]
+        return "finish_reason length, no markup in content"
+    check(results, R, "a tool call cut by max_tokens", cut_call)
+
+    def stop_logprobs():
+        r = c.chat.completions.create(model=NAME, messages=[{"role": "user", "content": "What is the capital of France?"}],
+                                      max_tokens=24, temperature=0, logprobs=True, stop=[" of France"])
+        tokens = [t.token for t in r.choices[0].logprobs.content]
+        assert "".join(tokens) == r.choices[0].message.content, (tokens, r.choices[0].message.content)
+        return f"{len(tokens)} tokens for {r.choices[0].message.content!r}"
+    check(results, R, "chat logprobs with a stop string", stop_logprobs)
+
+    def hang_up():
+        port = int(url.rsplit(":", 1)[1])
+        with socket.create_connection(("127.0.0.1", port), timeout=10) as s:
+            s.sendall(b"POST /v1/completions HTTP/1.1\r\nHost: x\r\nContent-Length: 1000\r\n\r\n{\"model\": ")
+            time.sleep(0.2)
+        time.sleep(0.3)
+        assert httpx.get(f"{url}/health").status_code == 200
+        return "healthy after (the server's log: tests/test_server_round_trips.py checks it has no traceback)"
+    check(results, R, "a client that hangs up mid-body", hang_up)
 
 
 # ---------------------------------------------------------------- lm-eval
@@ -182,6 +297,23 @@ def langchain_checks(url: str, results: dict) -> None:
     check(results, L, "bind_tools (tool_choice any)",
           lambda: one_call(big.bind_tools([schema], tool_choice="any").invoke("Name a city in France."), "City"))
 
+    from pydantic import BaseModel
+
+    class Place(BaseModel):
+        city: str
+        country: str
+
+    class Book(BaseModel):
+        """Book a hotel."""
+        place: Place
+        nights: int
+
+    def nested():
+        calls = one_call(big.bind_tools([Book], tool_choice="any").invoke("Book two nights in Lyon, France."), "Book")
+        assert set(calls[0]["args"]) <= {"place", "nights"} and set(calls[0]["args"]["place"]) <= {"city", "country"}
+        return calls
+    check(results, L, "bind_tools with a pydantic sub-model (nested object)", nested)
+
 
 def answer_or_calls(message) -> str:
     return f"calls {message.tool_calls}" if message.tool_calls else f"text {message.content!r}"
@@ -196,8 +328,7 @@ def one_call(message, name: str):
 
 # ---------------------------------------------------------------- guidellm
 def guidellm_checks(url: str, results: dict, tmp: Path) -> None:
-    beside = Path(sys.executable).parent / "guidellm"          # this Python's environment first, then PATH
-    exe = str(beside) if beside.exists() else shutil.which("guidellm")
+    exe = _guidellm()
     if exe is None:
         results["guidellm"] = "skipped: not installed (pip install guidellm)"
         print("  skipped  guidellm (pip install guidellm)")
@@ -223,6 +354,62 @@ def guidellm_checks(url: str, results: dict, tmp: Path) -> None:
     check(results, "guidellm", "run (synchronous, streamed chat)", bench)
 
 
+def guidellm_sweep(url: str, results: dict, tmp: Path, seconds: float) -> None:
+    """guidellm's default benchmark (its `sweep` profile: synchronous, throughput, then constant rates between
+    the two) of streamed chat requests, 256 prompt tokens and 128 answer tokens as its docs' example, each
+    strategy for `seconds`; its throughput step capped at 16 streams (guidellm's default, 512,
+    sends more than a 2-core CPU finishes within the time: no request would complete, and the sweep would
+    place its constant rates below the synchronous one). The table goes into results["guidellm sweep"]."""
+    exe = _guidellm()
+    if exe is None:
+        results["guidellm sweep"] = "skipped: not installed (pip install guidellm)"
+        return
+    processor = tmp / "tokenizer"
+    write_tokenizer(processor)
+    out, scenario = tmp / "sweep.json", tmp / "sweep_scenario.json"
+    scenario.write_text(json.dumps({"spec": {
+        "backend": {"kind": "openai_http", "target": url, "model": NAME},
+        "profile": {"kind": "sweep", "sweep_size": 5, "max_concurrency": 16},
+        "tokenizer": {"kind": "huggingface_auto", "model": str(processor)},
+        "data": [{"kind": "synthetic_text", "prompt_tokens": 256, "output_tokens": 128}],
+        "constraints": [{"kind": "max_duration", "seconds": seconds}],
+        "outputs": [{"kind": "json", "path": str(out)}]}}))
+    r = subprocess.run([exe, "run", "-c", str(scenario), "--disable-console-interactive"], capture_output=True,
+                       text=True, timeout=int(12 * seconds + 600), cwd=tmp)
+    if r.returncode != 0:
+        results["guidellm sweep"] = {"error": (r.stdout + r.stderr)[-1500:]}
+        print("  FAIL  guidellm sweep:", (r.stdout + r.stderr)[-500:])
+        return
+    rows = []
+    for b in json.loads(out.read_text())["benchmarks"]:
+        m, st = b["metrics"], b["config"]["strategy"]
+        ok = lambda key, stat="median": (m[key]["successful"] or {}).get(stat)   # noqa: E731
+        pct = lambda key, p: ((m[key]["successful"] or {}).get("percentiles") or {}).get(p)   # noqa: E731
+        rows.append({"strategy": st["type_"] + (f"@{st['rate']:.2f}" if st.get("rate") else ""),
+                     "successful": m["request_totals"]["successful"], "errored": m["request_totals"]["errored"],
+                     "incomplete": m["request_totals"]["incomplete"],
+                     "requests_per_s": m["requests_per_second"]["successful"]["mean"],
+                     "output_tokens_per_s": m["output_tokens_per_second"]["total"]["mean"],
+                     "ttft_ms_p50": ok("time_to_first_token_ms"), "ttft_ms_p95": pct("time_to_first_token_ms", "p95"),
+                     "itl_ms_p50": ok("inter_token_latency_ms"), "itl_ms_p95": pct("inter_token_latency_ms", "p95"),
+                     "latency_s_p50": ok("request_latency")})
+    results["guidellm sweep"] = {"seconds_per_strategy": seconds, "prompt_tokens": 256, "output_tokens": 128,
+                                 "rows": rows}
+    print(f"  guidellm sweep ({seconds:.0f} s per strategy, 256 prompt / 128 answer tokens, streamed chat):")
+    print(f"  {'strategy':16}{'ok':>5}{'err':>5}{'req/s':>7}{'out tok/s':>10}{'TTFT p50':>10}{'p95':>8}"
+          f"{'ITL p50':>9}{'p95':>7}  (ms)")
+    for w in rows:
+        f = lambda v, d=0: "-" if v is None else f"{v:.{d}f}"   # noqa: E731
+        print(f"  {w['strategy']:16}{w['successful']:>5}{w['errored']:>5}{f(w['requests_per_s'], 2):>7}"
+              f"{f(w['output_tokens_per_s'], 1):>10}{f(w['ttft_ms_p50']):>10}{f(w['ttft_ms_p95']):>8}"
+              f"{f(w['itl_ms_p50']):>9}{f(w['itl_ms_p95']):>7}")
+
+
+def _guidellm() -> str | None:
+    beside = Path(sys.executable).parent / "guidellm"          # this Python's environment first, then PATH
+    return str(beside) if beside.exists() else shutil.which("guidellm")
+
+
 def _guidellm_counts(report) -> dict:
     """successful / errored / incomplete request counts, wherever this version of guidellm puts them."""
     found: dict = {}
@@ -245,18 +432,18 @@ def _guidellm_counts(report) -> dict:
 
 
 def write_tokenizer(folder: Path) -> None:
-    """A Hugging Face tokenizer folder from the GGUF's vocabulary (guidellm counts tokens with one)."""
-    import transformers
+    """The model's tokenizer as `python -m minillm export` writes it (guidellm counts tokens with one): the same
+    ids as minillm's, digits split as SmolLM2 splits them."""
+    from minillm.export import export_tokenizer
 
-    from minillm.weights import find_model
-
-    path = find_model()
-    transformers.AutoTokenizer.from_pretrained(path.parent, gguf_file=path.name).save_pretrained(folder)
+    export_tokenizer(folder)
 
 
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     ap.add_argument("--json", default=None, help="write the results here")
+    ap.add_argument("--sweep-seconds", type=float, default=90,
+                    help="guidellm's sweep: seconds per strategy (0: no sweep); default 90")
     args = ap.parse_args()
 
     import minillm
@@ -269,9 +456,12 @@ def main() -> None:
             ServerProcess.minillm(["--served-model-name", NAME, "--max-model-len", "2048"]) as srv:
         print(f"minillm serve at {srv.url}; {machine_label(results['machine'])}")
         openai_checks(srv.url, results)
+        round_trip_checks(srv.url, results, model, tok)
         lm_eval_checks(srv.url, results, model, tok)
         langchain_checks(srv.url, results)
         guidellm_checks(srv.url, results, Path(tmp))
+        if args.sweep_seconds > 0:
+            guidellm_sweep(srv.url, results, Path(tmp), args.sweep_seconds)
     if args.json:
         Path(args.json).write_text(json.dumps(results, indent=1) + "\n")
 

@@ -110,12 +110,27 @@ def export(out_dir: str | Path, model: str | Path | None = None, dtype: torch.dt
     tok = Tokenizer.from_gguf(src)
     weights = {hf_name(k): v.to(dtype).contiguous() for k, v in state.items()}
     save_file(weights, str(out / "model.safetensors"), metadata={"format": "pt"})
-    tok_config, special = tokenizer_config(src, tok, cfg.max_seq_len)
-    files = {"config.json": hf_config(cfg, tok, dtype),
-             "generation_config.json": {"bos_token_id": tok.bos_id, "eos_token_id": sorted(tok.stop_ids),
-                                        "pad_token_id": tok.eos_id},
-             "tokenizer.json": tokenizer_json(src), "tokenizer_config.json": tok_config,
-             "special_tokens_map.json": special}
+    _write(out, {"config.json": hf_config(cfg, tok, dtype),
+                 "generation_config.json": {"bos_token_id": tok.bos_id, "eos_token_id": sorted(tok.stop_ids),
+                                            "pad_token_id": tok.eos_id}})
+    export_tokenizer(out, src)
+    return out
+
+
+def export_tokenizer(out_dir: str | Path, model: str | Path | None = None) -> Path:
+    """The tokenizer files alone (what a load generator such as guidellm counts tokens with); returns the folder."""
+    src, out = find_model(model), Path(out_dir)
+    out.mkdir(parents=True, exist_ok=True)
+    tok = Tokenizer.from_gguf(src)
+    reader = gguf_reader(src)
+    max_len = int(reader.fields["llama.context_length"].contents()) if "llama.context_length" in reader.fields \
+        else 2048
+    tok_config, special = tokenizer_config(src, tok, max_len)
+    _write(out, {"tokenizer.json": tokenizer_json(src), "tokenizer_config.json": tok_config,
+                 "special_tokens_map.json": special})
+    return out
+
+
+def _write(out: Path, files: dict) -> None:
     for name, obj in files.items():
         (out / name).write_text(json.dumps(obj, indent=1, ensure_ascii=False) + "\n", encoding="utf-8")
-    return out
