@@ -18,6 +18,9 @@ class ModelConfig:
     max_seq_len: int = 8192     # context length the model was trained for
     tie_embeddings: bool = True
     name: str = "SmolLM2-135M-Instruct"
+    # RoPE's frequencies rescaled for a longer context, as transformers defines it: None, or
+    # (("rope_type", "llama3" | "linear"), ("factor", ...), ...) (`model.rope_inv_freq` reads it)
+    rope_scaling: tuple[tuple[str, float | str], ...] | None = None
 
     def __post_init__(self):
         if self.n_heads % self.n_kv_heads:
@@ -57,6 +60,15 @@ class ModelConfig:
     def from_hf_config(cls, cfg: dict) -> "ModelConfig":
         """Build a config from a Hugging Face `config.json` of a Llama-family model."""
         n_heads = cfg["num_attention_heads"]
+        rope = {**(cfg.get("rope_scaling") or {}), **(cfg.get("rope_parameters") or {})}   # transformers 4 | 5
+        kind = rope.get("rope_type", rope.get("type", "default"))
+        if kind not in ROPE_TYPES:
+            raise ValueError(f"RoPE scaling {kind!r} is not supported; minillm computes {', '.join(ROPE_TYPES)} "
+                             f"as transformers defines them")
+        keys = ROPE_TYPES[kind]
+        if missing := [k for k in keys if k not in rope]:
+            raise ValueError(f"RoPE scaling {kind!r} needs {missing} in config.json")
+        scaling = None if kind == "default" else (("rope_type", kind), *((k, float(rope[k])) for k in keys))
         return cls(
             n_layers=cfg["num_hidden_layers"],
             d_model=cfg["hidden_size"],
@@ -67,7 +79,14 @@ class ModelConfig:
             vocab_size=cfg["vocab_size"],
             rope_base=float(cfg.get("rope_theta") or (cfg.get("rope_parameters") or {}).get("rope_theta", 10000.0)),
             rms_eps=float(cfg.get("rms_norm_eps", 1e-6)),
-            max_seq_len=cfg.get("max_position_embeddings", 2048),
+            # a sliding window (Mistral 7B v0.1): within it, attention is the full causal one
+            max_seq_len=min(cfg.get("max_position_embeddings", 2048), cfg.get("sliding_window") or 1 << 62),
             tie_embeddings=bool(cfg.get("tie_word_embeddings", False)),
             name=cfg.get("_name_or_path") or cfg.get("model_type", "hf model"),
+            rope_scaling=scaling,
         )
+
+
+# the RoPE scalings minillm computes, and the numbers each reads from config.json
+ROPE_TYPES = {"default": (), "linear": ("factor",),
+              "llama3": ("factor", "low_freq_factor", "high_freq_factor", "original_max_position_embeddings")}

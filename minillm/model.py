@@ -23,6 +23,8 @@ per layer instead of 7, and each one costs a fixed overhead on top of its bytes.
 """
 from __future__ import annotations
 
+import math
+
 import torch
 import torch.nn.functional as F
 from torch import nn
@@ -43,16 +45,37 @@ class RMSNorm(nn.Module):
         return F.rms_norm(x, self.weight.shape, self.weight, self.eps)
 
 
-def rope_tables(head_dim: int, positions: torch.Tensor, base: float) -> tuple[torch.Tensor, torch.Tensor]:
+def rope_inv_freq(head_dim: int, base: float, scaling=None, device=None) -> torch.Tensor:
+    """(head_dim/2,) how fast each pair turns per position: base^(-2i/head_dim), rescaled for a longer
+    context where the model says so (ModelConfig.rope_scaling), as transformers computes it:
+    linear divides every frequency by `factor`; llama3 (Llama 3.1/3.2) divides only the slow ones
+    (wavelengths beyond original_max_position_embeddings / low_freq_factor), keeps the fast ones
+    (shorter than ... / high_freq_factor), and blends in between."""
+    inv_freq = 1.0 / base ** (torch.arange(0, head_dim, 2, dtype=torch.float32, device=device) / head_dim)
+    if scaling is None:
+        return inv_freq
+    s = dict(scaling)
+    factor = s["factor"]
+    if s["rope_type"] == "linear":
+        return inv_freq / factor
+    low, high, old = s["low_freq_factor"], s["high_freq_factor"], s["original_max_position_embeddings"]
+    wavelen = 2 * math.pi / inv_freq
+    scaled = torch.where(wavelen > old / low, inv_freq / factor, inv_freq)
+    smooth = (old / wavelen - low) / (high - low)
+    blended = (1 - smooth) * scaled / factor + smooth * scaled
+    medium = ~(wavelen < old / high) * ~(wavelen > old / low)
+    return torch.where(medium, blended, scaled)
+
+
+def rope_tables(head_dim: int, positions: torch.Tensor, base: float, scaling=None) -> tuple[torch.Tensor, torch.Tensor]:
     """cos, sin of shape (..., head_dim) for positions of shape (...), e.g. (T,) or (B, T).
 
-    Frequency i (of head_dim/2) turns by positions * base^(-2i/head_dim); each
+    Frequency i (of head_dim/2) turns by positions * base^(-2i/head_dim) (rope_inv_freq); each
     frequency is used twice, for the pair (x_i, x_{i + head_dim/2}). The first half of
     `sin` is negated: rotate-half's minus sign, folded into the table (see apply_rope).
     """
     # built where positions live: a CUDA graph's captured step may not copy from the CPU
-    inv_freq = 1.0 / base ** (torch.arange(0, head_dim, 2, dtype=torch.float32, device=positions.device)
-                              / head_dim)                                                   # (hd/2,)
+    inv_freq = rope_inv_freq(head_dim, base, scaling, positions.device)                     # (hd/2,)
     angles = positions.float()[..., None] * inv_freq                                        # (..., hd/2)
     angles = torch.cat([angles, angles], dim=-1)                                            # (..., hd)
     sign = torch.ones(head_dim, device=positions.device)
@@ -178,7 +201,8 @@ class Transformer(nn.Module):
         B, T = ids.shape
         if positions is None:
             positions = torch.arange(T, device=ids.device)
-        cos, sin = rope_tables(self.cfg.head_dim, positions, self.cfg.rope_base)  # (T, hd) or (B, T, hd)
+        cos, sin = rope_tables(self.cfg.head_dim, positions, self.cfg.rope_base,
+                               self.cfg.rope_scaling)                              # (T, hd) or (B, T, hd)
         if cos.dim() == 3:
             cos, sin = cos[:, None], sin[:, None]                                 # (B, 1, T, hd)
         x = self.tok_emb(ids)                                                      # (B, T, d)

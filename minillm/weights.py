@@ -119,6 +119,11 @@ def load_gguf(path: Path, dtype: torch.dtype = torch.float32) -> tuple[ModelConf
     if meta.get("general.architecture") != "llama":
         raise ValueError(f"{path}: architecture {meta.get('general.architecture')!r} is not a Llama-family model")
     names = {t.name for t in reader.tensors}
+    scaling = meta.get("llama.rope.scaling.type", "none")
+    if "rope_freqs.weight" in names or scaling not in ("none", None):
+        raise ValueError(f"{path}: this file rescales RoPE for a long context "
+                         f"({'rope_freqs, per frequency' if 'rope_freqs.weight' in names else scaling}), which "
+                         "minillm does not read from GGUF; load the model's Hugging Face folder, which it reads exactly")
     cfg = ModelConfig.from_gguf_fields(meta, tie_embeddings="output.weight" not in names)
     cfg = dataclasses.replace(cfg, name=Path(path).stem)  # e.g. "SmolLM2-135M-Instruct.Q4_1"
     state = {}
@@ -143,6 +148,11 @@ _HF_NAMES = {
 }
 
 
+# families close to Llama that the model does not compute yet: what each would need
+NOT_YET = {"qwen2": "its Q, K and V projections have biases", "qwen3": "it normalizes q and k per head",
+           "smollm3": "every fourth layer has no RoPE"}
+
+
 def _hf_name(name: str) -> str:
     base, suffix = name.rsplit(".", 1)
     if base.startswith("model.layers."):
@@ -155,11 +165,16 @@ def load_hf(folder: Path, dtype: torch.dtype = torch.float32) -> tuple[ModelConf
     from safetensors.torch import load_file
 
     hf_cfg = json.loads((folder / "config.json").read_text())
-    if hf_cfg.get("model_type") not in (None, "llama", "mistral", "qwen2", "smollm3"):
-        raise ValueError(f"{folder}: model_type {hf_cfg.get('model_type')!r} is not a Llama-family model")
+    kind = hf_cfg.get("model_type")
+    if kind not in (None, "llama", "mistral"):
+        raise ValueError(f"{folder}: model_type {kind!r} is not supported; minillm runs llama (SmolLM2, Llama 2/3.x) "
+                         f"and mistral" + (f" ({NOT_YET[kind]})" if kind in NOT_YET else ""))
+    if bias := [k for k in ("attention_bias", "mlp_bias") if hf_cfg.get(k)]:
+        raise ValueError(f"{folder}: {' and '.join(bias)} set; minillm's model has no biases")
     files = sorted(folder.glob("*.safetensors"))
     if not files:
         raise ModelNotFoundError(f"{folder} has config.json but no *.safetensors weights")
+    ModelConfig.from_hf_config(hf_cfg)                  # what it cannot compute is refused before any weight is read
     state = {}
     for f in files:
         for name, w in load_file(f).items():
