@@ -21,6 +21,8 @@ class ModelConfig:
     # RoPE's frequencies rescaled for a longer context, as transformers defines it: None, or
     # (("rope_type", "llama3" | "linear"), ("factor", ...), ...) (`model.rope_inv_freq` reads it)
     rope_scaling: tuple[tuple[str, float | str], ...] | None = None
+    qkv_bias: bool = False      # Qwen2/2.5: the Q, K and V projections add a bias
+    qk_norm: bool = False       # Qwen3: q and k are RMS-normalized per head before RoPE
 
     def __post_init__(self):
         if self.n_heads % self.n_kv_heads:
@@ -80,10 +82,13 @@ class ModelConfig:
             rope_base=float(cfg.get("rope_theta") or (cfg.get("rope_parameters") or {}).get("rope_theta", 10000.0)),
             rms_eps=float(cfg.get("rms_norm_eps", 1e-6)),
             # a sliding window (Mistral 7B v0.1): within it, attention is the full causal one
-            max_seq_len=min(cfg.get("max_position_embeddings", 2048), cfg.get("sliding_window") or 1 << 62),
+            max_seq_len=min(cfg.get("max_position_embeddings", 2048),
+                            cfg.get("use_sliding_window", True) and cfg.get("sliding_window") or 1 << 62),
             tie_embeddings=bool(cfg.get("tie_word_embeddings", False)),
             name=cfg.get("_name_or_path") or cfg.get("model_type", "hf model"),
             rope_scaling=scaling,
+            qkv_bias=cfg.get("model_type") == "qwen2",
+            qk_norm=cfg.get("model_type") == "qwen3",
         )
 
 

@@ -1,4 +1,4 @@
-"""A Llama-family transformer in plain PyTorch (SmolLM2, Llama 2/3, Mistral shapes).
+"""A Llama-family transformer in plain PyTorch (SmolLM2, Llama 2/3, Mistral, Qwen2/2.5 and Qwen3 shapes).
 
 This is the reference every stage runs and every backend is checked against: PyTorch's operators only.
 Faster kernels for a device are swapped in from outside, on a copy (`backends/`).
@@ -95,11 +95,16 @@ def apply_rope(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.T
 
 
 class Attention(nn.Module):
+    """Q, K, V from one product, RoPE on q and k. Two family flags (ModelConfig): `qkv_bias` (Qwen2) adds a
+    bias to that product; `qk_norm` (Qwen3) RMS-normalizes each head of q and of k before RoPE."""
+
     def __init__(self, cfg: ModelConfig):
         super().__init__()
         self.n_heads, self.n_kv, self.hd = cfg.n_heads, cfg.n_kv_heads, cfg.head_dim
-        self.wqkv = nn.Linear(cfg.d_model, (cfg.n_heads + 2 * cfg.n_kv_heads) * cfg.head_dim, bias=False)
+        self.wqkv = nn.Linear(cfg.d_model, (cfg.n_heads + 2 * cfg.n_kv_heads) * cfg.head_dim, bias=cfg.qkv_bias)
         self.wo = nn.Linear(cfg.n_heads * cfg.head_dim, cfg.d_model, bias=False)
+        if cfg.qk_norm:
+            self.q_norm, self.k_norm = RMSNorm(cfg.head_dim, cfg.rms_eps), RMSNorm(cfg.head_dim, cfg.rms_eps)
 
     def qkv(self, x, cos, sin):
         """x (B, T, d) -> q (B, H, T, hd), k and v (B, n_kv, T, hd): one product, RoPE on q and k."""
@@ -107,6 +112,9 @@ class Attention(nn.Module):
         H, n_kv, hd = self.n_heads, self.n_kv, self.hd
         qkv = self.wqkv(x).view(B, T, H + 2 * n_kv, hd).transpose(1, 2)   # (B, H + 2 n_kv, T, hd)
         qk, v = qkv.split([H + n_kv, n_kv], dim=1)
+        if "q_norm" in self._modules:                                      # Qwen3: per head, over hd
+            q, k = qk.split([H, n_kv], dim=1)
+            qk = torch.cat([self.q_norm(q), self.k_norm(k)], dim=1)        # (B, H + n_kv, T, hd)
         q, k = apply_rope(qk, cos, sin).split([H, n_kv], dim=1)            # rotate q and k together
         return q, k, v                                                      # (B, H | n_kv | n_kv, T, hd)
 
@@ -227,6 +235,8 @@ def fuse_projections(state: dict[str, torch.Tensor], n_layers: int) -> dict[str,
     for i in range(n_layers):
         a, m = f"layers.{i}.attn.", f"layers.{i}.mlp."
         state[a + "wqkv.weight"] = torch.cat([state.pop(a + f"{w}.weight") for w in ("wq", "wk", "wv")])
+        if a + "wq.bias" in state:                                          # Qwen2
+            state[a + "wqkv.bias"] = torch.cat([state.pop(a + f"{w}.bias") for w in ("wq", "wk", "wv")])
         state[m + "w_gate_up.weight"] = torch.cat([state.pop(m + f"{w}.weight") for w in ("w_gate", "w_up")])
     return state
 

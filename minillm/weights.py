@@ -145,12 +145,15 @@ _HF_NAMES = {
     "input_layernorm": "attn_norm", "self_attn.q_proj": "attn.wq", "self_attn.k_proj": "attn.wk",
     "self_attn.v_proj": "attn.wv", "self_attn.o_proj": "attn.wo", "post_attention_layernorm": "ffn_norm",
     "mlp.gate_proj": "mlp.w_gate", "mlp.up_proj": "mlp.w_up", "mlp.down_proj": "mlp.w_down",
+    "self_attn.q_norm": "attn.q_norm", "self_attn.k_norm": "attn.k_norm",
 }
 
 
+# the Hugging Face model types the model computes (a flag each where it differs from llama: ModelConfig)
+SUPPORTED = ("llama", "mistral", "qwen2", "qwen3")
 # families close to Llama that the model does not compute yet: what each would need
-NOT_YET = {"qwen2": "its Q, K and V projections have biases", "qwen3": "it normalizes q and k per head",
-           "smollm3": "every fourth layer has no RoPE"}
+NOT_YET = {"smollm3": "every fourth layer has no RoPE", "qwen3_moe": "a mixture of experts",
+           "mixtral": "a mixture of experts", "gemma": "other norms and activations"}
 
 
 def _hf_name(name: str) -> str:
@@ -166,9 +169,9 @@ def load_hf(folder: Path, dtype: torch.dtype = torch.float32) -> tuple[ModelConf
 
     hf_cfg = json.loads((folder / "config.json").read_text())
     kind = hf_cfg.get("model_type")
-    if kind not in (None, "llama", "mistral"):
-        raise ValueError(f"{folder}: model_type {kind!r} is not supported; minillm runs llama (SmolLM2, Llama 2/3.x) "
-                         f"and mistral" + (f" ({NOT_YET[kind]})" if kind in NOT_YET else ""))
+    if kind not in (None, *SUPPORTED):
+        raise ValueError(f"{folder}: model_type {kind!r} is not supported; minillm runs {', '.join(SUPPORTED)}"
+                         + (f" ({NOT_YET[kind]})" if kind in NOT_YET else ""))
     if bias := [k for k in ("attention_bias", "mlp_bias") if hf_cfg.get(k)]:
         raise ValueError(f"{folder}: {' and '.join(bias)} set; minillm's model has no biases")
     files = sorted(folder.glob("*.safetensors"))

@@ -145,6 +145,12 @@ def _rope_rows(cos: torch.Tensor, sin: torch.Tensor, hd: int) -> tuple[torch.Ten
     return cos.contiguous(), sin.contiguous()
 
 
+def fits(block) -> bool:
+    """Whether the C block computes this block: Llama's attention (no QKV bias, no per-head q/k norms)."""
+    attn = block._modules["attn"]
+    return getattr(attn._modules["wqkv"], "bias", None) is None and "q_norm" not in attn._modules
+
+
 def before_attention(block, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor):
     """Block.before_attention in one call: x (B, T, d) -> q (B, H, T, hd), k and v (B, n_kv, T, hd);
     None where the block does not take the C path (the caller runs its own)."""

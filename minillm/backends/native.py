@@ -91,8 +91,9 @@ def prepare(model, pack_weights: bool = False, remember: bool = True):
             m.c_rows = r["max_rows"]
         kernels[f"{kind} products"] = {"chosen": _rows_said(r, "torch's kernel"), "measured": r}
 
-    if c_block.load_library() is not None:
-        for block in fast.layers:
+    blocks = [b for b in fast.layers if c_block.fits(b)]
+    if c_block.load_library() is not None and blocks:
+        for block in blocks:
             c_block.CBlock.adopt(block)
         kernels["blocks"] = {"chosen": "one C call per half around attention (the whole block over a contiguous "
                                        "float32 cache) for float32 rows where every product runs in C",

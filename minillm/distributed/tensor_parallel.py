@@ -30,6 +30,9 @@ import torch.nn.functional as F
 
 def check_tensor_parallel(cfg, world: int) -> None:
     """Raise ValueError saying which size does not divide, and which world sizes would."""
+    if getattr(cfg, "qkv_bias", False) or getattr(cfg, "qk_norm", False):
+        raise ValueError("tensor parallelism splits Llama's attention; this model's QKV bias or q/k norms are not "
+                         "split: run it on one rank")
     sizes = {"query heads": cfg.n_heads, "KV heads": cfg.n_kv_heads, "FFN width": cfg.ffn_dim,
              "vocabulary": cfg.vocab_size}
     bad = [f"{name} ({n})" for name, n in sizes.items() if n % world]

@@ -57,6 +57,9 @@ def quantize_model(model, quant: str, path: str | Path | None = None, smooth: di
         raise ValueError("quantize the plain model, then apply the backend (backends.apply_backend)")
     if model.quant:
         raise ValueError(f"the model is already quantized ({model.quant}); load it again to change format")
+    if model.cfg.qkv_bias:
+        raise ValueError("this model's Q/K/V projection has a bias, and minillm's quantized layers have none: "
+                         "run it unquantized")
     device = model.device
     file_weights = _file_q4_weights(model.cfg, path) if quant == "q4_file" else None
     for i, block in enumerate(tqdm(model.layers, desc=f"quantizing ({quant})", unit="layer",
