@@ -23,8 +23,8 @@ from .timing import _quiet_stderr
 VARIANTS = ("rope", "split", "cache")
 
 
-def _rope_tables(head_dim, positions, base):
-    inv_freq = 1.0 / base ** (torch.arange(0, head_dim, 2, dtype=torch.float32) / head_dim)
+def _rope_tables(head_dim, positions, base, scaling=None):
+    inv_freq = model_module.rope_inv_freq(head_dim, base, scaling)   # on the CPU, then moved: as first written
     angles = positions.float()[..., None] * inv_freq.to(positions.device)
     angles = torch.cat([angles, angles], dim=-1)
     return angles.cos(), angles.sin()                        # sin without the sign
