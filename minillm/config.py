@@ -19,7 +19,8 @@ class ModelConfig:
     tie_embeddings: bool = True
     name: str = "SmolLM2-135M-Instruct"
     # RoPE's frequencies rescaled for a longer context, as transformers defines it: None, or
-    # (("rope_type", "llama3" | "linear"), ("factor", ...), ...) (`model.rope_inv_freq` reads it)
+    # (("rope_type", "llama3" | "linear"), ("factor", ...), ...), or a GGUF file's per-frequency divisors
+    # (("rope_type", "freq_factors"), ("factors", (...))) (`model.rope_inv_freq` reads it)
     rope_scaling: tuple[tuple[str, float | str], ...] | None = None
     qkv_bias: bool = False      # Qwen2/2.5: the Q, K and V projections add a bias
     qk_norm: bool = False       # Qwen3: q and k are RMS-normalized per head before RoPE

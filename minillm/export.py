@@ -106,8 +106,11 @@ def export(out_dir: str | Path, model: str | Path | None = None, dtype: torch.dt
     out = Path(out_dir)
     if out.exists() and any(out.iterdir()):
         raise ValueError(f"{out} is not empty: export into a new or empty folder")
-    out.mkdir(parents=True, exist_ok=True)
+    tokenizer_json(src)                 # its tokenizer is one export writes (checked before any file is written)
     cfg, state, _ = load_state(src, torch.float32)
+    if cfg.rope_scaling or cfg.qkv_bias or cfg.qk_norm:
+        raise ValueError(f"{src}: export writes Llama models without RoPE scaling; load this model's own folder")
+    out.mkdir(parents=True, exist_ok=True)
     tok = Tokenizer.from_gguf(src)
     weights = {hf_name(k): v.to(dtype).contiguous() for k, v in state.items()}
     save_file(weights, str(out / "model.safetensors"), metadata={"format": "pt"})

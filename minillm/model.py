@@ -50,11 +50,14 @@ def rope_inv_freq(head_dim: int, base: float, scaling=None, device=None) -> torc
     context where the model says so (ModelConfig.rope_scaling), as transformers computes it:
     linear divides every frequency by `factor`; llama3 (Llama 3.1/3.2) divides only the slow ones
     (wavelengths beyond original_max_position_embeddings / low_freq_factor), keeps the fast ones
-    (shorter than ... / high_freq_factor), and blends in between."""
+    (shorter than ... / high_freq_factor), and blends in between; a GGUF file stores that as one divisor
+    per frequency (freq_factors)."""
     inv_freq = 1.0 / base ** (torch.arange(0, head_dim, 2, dtype=torch.float32, device=device) / head_dim)
     if scaling is None:
         return inv_freq
     s = dict(scaling)
+    if s["rope_type"] == "freq_factors":      # llama.cpp's rope_freqs: the same llama3 scaling, as one divisor each
+        return inv_freq / torch.tensor(s["factors"], dtype=torch.float32, device=device)
     factor = s["factor"]
     if s["rope_type"] == "linear":
         return inv_freq / factor

@@ -12,25 +12,34 @@ and keep a rank -> model id table beside it, because the model's ids are not
 ranks: its first 17 ids are special tokens, and only 235 of the 256 single
 bytes have an id (merge i yields id 252 + i in SmolLM2's vocabulary).
 
-Pre-tokenization (how text is cut into words before BPE): SmolLM2's tokenizer
-first splits every digit on its own (llama.cpp calls it `smollm`), then applies
-the GPT-2 pattern inside each piece. `PRETOKENIZE_PATTERN` does both in one
-regex: digits are single-character words, and a whitespace run just before a
-digit ends there, as it would at the end of a piece.
+Pre-tokenization (how text is cut into words before BPE) is the family's own
+(`pretokenize.py`): SmolLM2's tokenizer first splits every digit on its own
+(llama.cpp calls it `smollm`), then applies the GPT-2 pattern inside each piece;
+Llama 3 and Qwen2 cut differently. The chat template is the model's own Jinja
+program (`chat_template.py`).
+
+Other models' files are read the same way (`from_gguf`, `from_hf_folder`): a
+byte-level BPE vocabulary, its merges, a pre-tokenizer minillm knows, and the
+tokens that end a turn.
 """
 from __future__ import annotations
 
 import codecs
+import json
+import unicodedata
 from functools import lru_cache
 from pathlib import Path
 
 import numpy as np
 import tiktoken
 
-# GPT-2's pattern with `\p{N}` alone (one digit per word) and whitespace stopping before digits.
-PRETOKENIZE_PATTERN = (
-    r"""'s|'t|'re|'ve|'m|'ll|'d| ?\p{L}+|\p{N}| ?[^\s\p{L}\p{N}]+|\s+(?=\p{N})|\s+(?!\S)|\s+"""
-)
+from . import chat_template, pretokenize
+from .pretokenize import PreTokenizer
+
+# SmolLM2's pattern: GPT-2's with `\p{N}` alone (one digit per word) and whitespace stopping before digits.
+PRETOKENIZE_PATTERN = pretokenize.SMOLLM
+# the tokens that end a turn or a text in the families minillm reads, besides the file's own end token
+TURN_ENDS = ("<|im_end|>", "<|endoftext|>", "<|eot_id|>", "<|eom_id|>", "<|end_of_text|>")
 
 
 @lru_cache(maxsize=1)
@@ -51,10 +60,15 @@ class Tokenizer:
     """encode / decode / chat template for a byte-level BPE vocabulary."""
 
     def __init__(self, tokens: list[str], merges: list[str], token_types: list[int] | None = None,
-                 bos_id: int | None = None, eos_id: int | None = None, unk_id: int = 0, name: str = "bpe"):
+                 bos_id: int | None = None, eos_id: int | None = None, unk_id: int = 0, name: str = "bpe",
+                 pre: PreTokenizer = pretokenize.BY_GGUF_NAME["smollm"], template: str | None = None,
+                 add_bos: bool = False, stop_ids=()):
+        """token_types: GGUF's (1 normal, 3 control, 4 user-defined); template: the model's chat template
+        (Jinja), None for a model without one; add_bos: a prompt given as text starts with bos_id
+        (`encode_prompt`); stop_ids: ids besides eos_id that end a generation."""
         types = token_types or [1] * len(tokens)
-        # Special ("control") tokens are matched whole in text and never merged.
-        self.special_tokens = {t: i for i, (t, ty) in enumerate(zip(tokens, types)) if ty == 3}
+        # Control and user-defined tokens (added tokens) are matched whole in text and never merged.
+        self.special_tokens = {t: i for i, (t, ty) in enumerate(zip(tokens, types)) if ty in (3, 4)}
         inverse = {c: b for b, c in byte_to_unicode().items()}
         to_bytes = lambda s: bytes(inverse[c] for c in s)  # noqa: E731
 
@@ -64,7 +78,7 @@ class Tokenizer:
         for b in range(256):
             rank_to_id[b] = id_of.get(byte_to_unicode()[b], -1)  # -1: byte not in the vocabulary
         for i, merge in enumerate(merges):
-            left, right = merge.split(" ", 1)
+            left, right = merge.split(" ", 1) if isinstance(merge, str) else merge
             ranks[to_bytes(left + right)] = 256 + i
             rank_to_id[256 + i] = id_of[left + right]
         # tiktoken's special ids live after the ranks; map them to the model's ids too.
@@ -75,7 +89,8 @@ class Tokenizer:
         self._id_to_rank[rank_to_id[known]] = np.flatnonzero(known)
         rank_to_id[~known] = unk_id  # a byte with no token of its own encodes as <unk>
         self._rank_to_id = rank_to_id
-        self.enc = tiktoken.Encoding(name=name, pat_str=PRETOKENIZE_PATTERN,
+        self.pre = pre
+        self.enc = tiktoken.Encoding(name=name, pat_str=pre.pattern,
                                      mergeable_ranks=ranks, special_tokens=special_ranks)
         self.tokens = tokens
         self.vocab_size = len(tokens)
@@ -84,14 +99,25 @@ class Tokenizer:
         self.bos_id, self.eos_id, self.unk_id = bos_id, eos_id, unk_id
         self.im_start_id = self.special_tokens.get("<|im_start|>")
         self.im_end_id = self.special_tokens.get("<|im_end|>")
+        self.template, self.add_bos = template, add_bos
+        self._stop_ids = {i for i in (eos_id, *stop_ids, *map(self.special_tokens.get, TURN_ENDS)) if i is not None}
 
     # ------------------------------------------------------------ encode / decode
     def encode(self, text: str, allow_special: bool = True) -> list[int]:
         """Text -> model token ids. Special tokens written in the text (e.g. `<|im_end|>`)
         become their single id, as in the model's reference tokenizer; pass
         `allow_special=False` to encode them as ordinary text instead."""
+        if self.pre.nfc:
+            text = unicodedata.normalize("NFC", text)
         ranks = self.enc.encode(text, allowed_special="all" if allow_special else set(), disallowed_special=())
         return self._rank_to_id[np.asarray(ranks, dtype=np.int64)].tolist()
+
+    def encode_prompt(self, text: str) -> list[int]:
+        """A prompt given as text -> ids, starting with the BOS token where the model's tokenizer adds one
+        (Llama 3), as transformers' `tokenizer(text)` and vLLM's completions do. (A chat template writes its
+        own BOS: `apply_chat_template` encodes without adding one.)"""
+        ids = self.encode(text)
+        return [self.bos_id, *ids] if self.add_bos and self.bos_id is not None else ids
 
     def decode_bytes(self, ids) -> bytes:
         ids = list(ids)
@@ -113,23 +139,23 @@ class Tokenizer:
     # ------------------------------------------------------------ chat
     def apply_chat_template(self, messages: list[dict], add_generation_prompt: bool = True,
                             tokenize: bool = True):
-        """ChatML, as in SmolLM2's template: a default system message if none is given."""
-        parts = []
+        """The model's own chat template (Jinja, from its file) rendered as transformers renders it."""
         for i, m in enumerate(messages):
             if m.get("role") not in ("system", "user", "assistant") or not isinstance(m.get("content"), str):
                 raise ValueError(f"message {i} must be {{'role': 'system'|'user'|'assistant', 'content': str}}; got {m!r}")
-            if i == 0 and m["role"] != "system":
-                parts.append("<|im_start|>system\nYou are a helpful AI assistant named SmolLM, trained by Hugging Face<|im_end|>\n")
-            parts.append(f"<|im_start|>{m['role']}\n{m['content']}<|im_end|>\n")
-        if add_generation_prompt:
-            parts.append("<|im_start|>assistant\n")
-        text = "".join(parts)
+        if self.template is None:
+            raise ValueError("this model's file has no chat template: send a prompt as text (completions), "
+                             "formatted as the model expects")
+        name = lambda i: None if i is None else self.tokens[i]   # noqa: E731
+        text = chat_template.render(self.template, [dict(m) for m in messages], add_generation_prompt,
+                                    bos_token=name(self.bos_id), eos_token=name(self.eos_id),
+                                    unk_token=name(self.unk_id))
         return self.encode(text) if tokenize else text
 
     @property
     def stop_ids(self) -> set[int]:
         """Ids that end a generation: end of text and end of a chat turn."""
-        return {i for i in (self.eos_id, self.im_end_id, self.special_tokens.get("<|endoftext|>")) if i is not None}
+        return self._stop_ids
 
     # ------------------------------------------------------------ loading
     @classmethod
@@ -139,12 +165,60 @@ class Tokenizer:
         reader = gguf_reader(Path(path).resolve())
         f = lambda k: reader.fields[k].contents() if k in reader.fields else None  # noqa: E731
         if f("tokenizer.ggml.model") != "gpt2":
-            raise ValueError(f"{path}: tokenizer {f('tokenizer.ggml.model')!r} is not byte-level BPE (gpt2)")
-        if f("tokenizer.ggml.pre") not in ("smollm", None):
-            raise ValueError(f"{path}: pre-tokenizer {f('tokenizer.ggml.pre')!r} is not supported (only 'smollm')")
+            raise ValueError(f"{path}: tokenizer {f('tokenizer.ggml.model')!r} is not supported; minillm reads "
+                             "byte-level BPE ('gpt2': SmolLM, Llama 3, Qwen), not SentencePiece ('llama': Llama 2, Mistral)")
+        pre = pretokenize.from_gguf(f("tokenizer.ggml.pre"), str(path))
         return cls(f("tokenizer.ggml.tokens"), f("tokenizer.ggml.merges"), f("tokenizer.ggml.token_type"),
                    bos_id=f("tokenizer.ggml.bos_token_id"), eos_id=f("tokenizer.ggml.eos_token_id"),
-                   unk_id=f("tokenizer.ggml.unknown_token_id") or 0, name=Path(path).stem)
+                   unk_id=f("tokenizer.ggml.unknown_token_id") or 0, name=Path(path).stem, pre=pre,
+                   template=f("tokenizer.chat_template"), add_bos=bool(f("tokenizer.ggml.add_bos_token")),
+                   stop_ids=[i for i in (f("tokenizer.ggml.eot_token_id"), f("tokenizer.ggml.eom_token_id"))
+                             if i is not None])
+
+    @classmethod
+    def from_hf_folder(cls, folder: str | Path) -> "Tokenizer":
+        """A Hugging Face folder's tokenizer.json (byte-level BPE), its tokenizer_config.json (chat template,
+        special tokens) and generation_config.json (the ids that end a generation)."""
+        folder = Path(folder)
+        read = lambda name: json.loads((folder / name).read_text(encoding="utf-8")) \
+            if (folder / name).is_file() else {}  # noqa: E731
+        spec, config, generation = read("tokenizer.json"), read("tokenizer_config.json"), read("generation_config.json")
+        model = spec.get("model") or {}
+        if model.get("type") != "BPE" or model.get("byte_fallback") or model.get("continuing_subword_prefix") \
+                or model.get("end_of_word_suffix"):
+            raise ValueError(f"{folder}: {'no tokenizer.json' if not spec else 'its tokenizer is not byte-level BPE'}; "
+                             "minillm reads byte-level BPE tokenizers (SmolLM, Llama 3, Qwen)")
+        pre = pretokenize.from_tokenizer_json(spec, f"{folder / 'tokenizer.json'}")
+        added = {t["content"]: t for t in spec.get("added_tokens", [])}
+        ids = {**model["vocab"], **{t: a["id"] for t, a in added.items()}}
+        tokens = [""] * (max(ids.values()) + 1)
+        for t, i in ids.items():
+            tokens[i] = t
+        types = [(3 if added[t]["special"] else 4) if t in added else 1 for t in tokens]
+        token = lambda key: (v.get("content") if isinstance(v := config.get(key), dict) else v)  # noqa: E731
+        id_of = lambda key: ids.get(token(key))  # noqa: E731
+        template = config.get("chat_template")
+        if isinstance(template, list):          # several named templates: the default one
+            template = next((t["template"] for t in template if t.get("name") == "default"), None)
+        if template is None and (folder / "chat_template.jinja").is_file():
+            template = (folder / "chat_template.jinja").read_text(encoding="utf-8")
+        eos = generation.get("eos_token_id")
+        return cls(tokens, model["merges"], types, bos_id=id_of("bos_token"), eos_id=id_of("eos_token"),
+                   unk_id=id_of("unk_token") or 0, name=folder.name, pre=pre, template=template,
+                   add_bos=_adds_bos(spec.get("post_processor"), id_of("bos_token")),
+                   stop_ids=eos if isinstance(eos, list) else [eos] if eos is not None else [])
+
+
+def _adds_bos(post: dict | None, bos_id: int | None) -> bool:
+    """Whether tokenizer.json's post-processor puts the BOS token before a single text (Llama 3 does)."""
+    if not post or bos_id is None:
+        return False
+    if post.get("type") == "Sequence":
+        return any(_adds_bos(p, bos_id) for p in post.get("processors", []))
+    if post.get("type") == "TemplateProcessing" and post.get("single"):
+        first = post["single"][0].get("SpecialToken", {}).get("id")
+        return first is not None and bos_id in post.get("special_tokens", {}).get(first, {}).get("ids", [])
+    return False
 
 
 class StreamDecoder:

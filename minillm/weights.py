@@ -7,8 +7,11 @@ Two formats:
 
 Both end as the same state dict, with minillm's names (see `model.py`).
 
+Architectures: `llama`, `qwen2` (Q/K/V biases) and `qwen3` (q/k norms) in GGUF; in a
+folder, config.json's model_type (SUPPORTED). The rest is refused in one line.
+
 Rotary layout. llama.cpp's converter permutes the rows of the Q and K projections
-of Llama models so that RoPE can rotate *adjacent* pairs (x0, x1), (x2, x3), ...
+of Llama models (not Qwen's, which it rotates as transformers does) so that RoPE can rotate *adjacent* pairs (x0, x1), (x2, x3), ...
 We undo that permutation here, so the weights are in the Hugging Face layout and
 `model.py` uses the Hugging Face "rotate half" RoPE, which pairs x_i with
 x_{i + head_dim/2}. Both conventions compute the same function; the test
@@ -89,7 +92,10 @@ _GGUF_NAMES = {  # GGUF tensor name -> minillm name ({i} = layer)
     "attn_norm": "attn_norm", "attn_q": "attn.wq", "attn_k": "attn.wk", "attn_v": "attn.wv",
     "attn_output": "attn.wo", "ffn_norm": "ffn_norm",
     "ffn_gate": "mlp.w_gate", "ffn_up": "mlp.w_up", "ffn_down": "mlp.w_down",
+    "attn_q_norm": "attn.q_norm", "attn_k_norm": "attn.k_norm",
 }
+# GGUF architectures the model computes; llama.cpp permutes Q/K rows for "llama" only (qwen use rotate-half)
+GGUF_ARCHITECTURES = ("llama", "qwen2", "qwen3")
 
 
 def _gguf_name(name: str) -> str:
@@ -116,23 +122,36 @@ def load_gguf(path: Path, dtype: torch.dtype = torch.float32) -> tuple[ModelConf
 
     reader = gguf_reader(Path(path).resolve())
     meta = gguf_metadata(reader)
-    if meta.get("general.architecture") != "llama":
-        raise ValueError(f"{path}: architecture {meta.get('general.architecture')!r} is not a Llama-family model")
-    names = {t.name for t in reader.tensors}
-    scaling = meta.get("llama.rope.scaling.type", "none")
-    if "rope_freqs.weight" in names or scaling not in ("none", None):
-        raise ValueError(f"{path}: this file rescales RoPE for a long context "
-                         f"({'rope_freqs, per frequency' if 'rope_freqs.weight' in names else scaling}), which "
-                         "minillm does not read from GGUF; load the model's Hugging Face folder, which it reads exactly")
-    cfg = ModelConfig.from_gguf_fields(meta, tie_embeddings="output.weight" not in names)
-    cfg = dataclasses.replace(cfg, name=Path(path).stem)  # e.g. "SmolLM2-135M-Instruct.Q4_1"
+    arch = meta.get("general.architecture")
+    if arch not in GGUF_ARCHITECTURES:
+        raise ValueError(f"{path}: architecture {arch!r} is not supported; minillm runs {', '.join(GGUF_ARCHITECTURES)}"
+                         + (f" ({NOT_YET[arch]})" if arch in NOT_YET else ""))
+    tensors = {t.name: t for t in reader.tensors}
+    if extra := sorted({n.split(".", 2)[-1] for n in tensors if n.startswith("blk.")}
+                       - {f"{k}.weight" for k in _GGUF_NAMES} - {f"attn_{x}.bias" for x in "qkv"}):
+        raise ValueError(f"{path}: tensors {extra} are not part of the {arch} model minillm computes")
+    cfg = ModelConfig.from_gguf_fields(meta, tie_embeddings="output.weight" not in tensors)
+    bias, qk_norm = "blk.0.attn_q.bias" in tensors, "blk.0.attn_q_norm.weight" in tensors
+    if (bias, qk_norm) != (arch == "qwen2", arch == "qwen3"):
+        raise ValueError(f"{path}: a {arch} model {'with' if bias else 'without'} Q/K/V biases and "
+                         f"{'with' if qk_norm else 'without'} q/k norms is not one minillm computes")
+    scaling = meta.get(f"{arch}.rope.scaling.type", "none")
+    if scaling not in ("none", "linear"):
+        raise ValueError(f"{path}: RoPE scaling {scaling!r} is not supported from GGUF (none, linear, or rope_freqs)")
+    rope = (("rope_type", "linear"), ("factor", float(meta[f"{arch}.rope.scaling.factor"]))) if scaling == "linear" else None
+    if "rope_freqs.weight" in tensors:      # Llama 3.1/3.2: llama3 scaling, stored as one divisor per frequency
+        factors = gguf.quants.dequantize(tensors["rope_freqs.weight"].data, tensors["rope_freqs.weight"].tensor_type)
+        rope = (("rope_type", "freq_factors"), ("factors", tuple(float(x) for x in np.ravel(factors))))
+    cfg = dataclasses.replace(cfg, name=Path(path).stem, rope_scaling=rope, qkv_bias=bias, qk_norm=qk_norm)
     state = {}
     for t in tqdm(reader.tensors, desc="dequantizing", unit="tensor", disable=None, leave=False):
+        if t.name == "rope_freqs.weight":
+            continue
         # t.shape is in GGML order (fastest dim first); numpy/torch want it reversed.
         arr = gguf.quants.dequantize(t.data, t.tensor_type).reshape([int(d) for d in reversed(t.shape)])
         w = torch.from_numpy(np.array(arr, dtype=np.float32))  # a writable copy
         name = _gguf_name(t.name)
-        if name.endswith((".wq.weight", ".wk.weight")):
+        if arch == "llama" and name.endswith((".wq.weight", ".wk.weight")):
             w = unpermute_rope_rows(w, cfg.n_heads if ".wq." in name else cfg.n_kv_heads)
         state[name] = w.to(dtype)
     return cfg, state
@@ -153,6 +172,7 @@ _HF_NAMES = {
 SUPPORTED = ("llama", "mistral", "qwen2", "qwen3")
 # families close to Llama that the model does not compute yet: what each would need
 NOT_YET = {"smollm3": "every fourth layer has no RoPE", "qwen3_moe": "a mixture of experts",
+           "qwen3moe": "a mixture of experts", "qwen2moe": "a mixture of experts",
            "mixtral": "a mixture of experts", "gemma": "other norms and activations"}
 
 

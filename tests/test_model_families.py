@@ -34,15 +34,16 @@ def tiny(tmp_path, cls=transformers.LlamaConfig, model_cls=transformers.LlamaFor
     return ref, minillm.load_model(tmp_path)
 
 
-def same_as_transformers(ref, ours, length=48):
-    ids = torch.randint(0, 97, (2, length), generator=torch.Generator().manual_seed(1))
+def same_as_transformers(ref, ours, length=48, tok=None):
+    """tok: a tokenizer of the model's vocabulary (default: the 97 single bytes of SHAPE's)."""
+    ids = torch.randint(0, ref.config.vocab_size, (2, length), generator=torch.Generator().manual_seed(1))
     with torch.no_grad():
         torch.testing.assert_close(ours(ids), ref(ids).logits, rtol=1e-5, atol=1e-5)
     prompt = ids[0, :20].tolist()
     with torch.no_grad():
         theirs = ref.generate(torch.tensor([prompt]), max_new_tokens=24, do_sample=False,
                               min_new_tokens=24)[0, 20:].tolist()
-    tok = Tokenizer([byte_to_unicode()[b] for b in range(97)], [])    # 97 single bytes: ids decode to text
+    tok = tok or Tokenizer([byte_to_unicode()[b] for b in range(97)], [])    # 97 single bytes: ids decode to text
     params = SamplingParams(max_tokens=24, ignore_eos=True)
     for stage in ("naive", "kv", "paged"):
         assert generate(ours, tok, prompt, params, stage=stage).token_ids == theirs, stage

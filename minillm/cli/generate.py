@@ -16,7 +16,7 @@ def cmd_generate(args) -> None:
     if args.tensor_parallel is not None:
         return generate_tensor_parallel(args, params)
     model, tok, device = load(args)
-    ids = tok.apply_chat_template([{"role": "user", "content": args.prompt}]) if args.chat else tok.encode(args.prompt)
+    ids = tok.apply_chat_template([{"role": "user", "content": args.prompt}]) if args.chat else tok.encode_prompt(args.prompt)
     check_prompt(ids, model.cfg.max_seq_len)
     result = Generation(prompt_tokens=len(ids))
     try:

@@ -36,7 +36,7 @@ def generate_tensor_parallel(args, params) -> None:
         launch.leave()
         return
     tok = load_tokenizer(args.model)
-    ids = tok.apply_chat_template([{"role": "user", "content": args.prompt}]) if args.chat else tok.encode(args.prompt)
+    ids = tok.apply_chat_template([{"role": "user", "content": args.prompt}]) if args.chat else tok.encode_prompt(args.prompt)
     check_prompt(ids, ModelConfig().max_seq_len)
     if torchrun:
         out = rank_fn(*launch.init_from_env(), [ids] if engine else ids, params, *extra, args.model)

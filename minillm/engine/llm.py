@@ -66,7 +66,7 @@ class LLM:
         for prompt, p in zip(prompts, params):
             rid = self._next_id()
             order.append(rid)
-            ids = self.tokenizer.encode(prompt) if isinstance(prompt, str) else prompt
+            ids = self.tokenizer.encode_prompt(prompt) if isinstance(prompt, str) else prompt
             try:
                 self.engine.add_request(rid, ids, p)
             except ValueError as e:

@@ -71,7 +71,7 @@ class _API:
     async def tokenize(self, body: TokenizeRequest):
         if (body.prompt is None) == (body.messages is None):
             raise APIError(400, "give either 'prompt' (a text) or 'messages' (a chat), not both or neither", "prompt")
-        ids = self.tok.encode(body.prompt) if body.prompt is not None else \
+        ids = self.tok.encode_prompt(body.prompt) if body.prompt is not None else \
             self._chat_ids(body.messages, body.add_generation_prompt)
         return {"count": len(ids), "max_model_len": self.engine.max_len, "tokens": ids,
                 "token_strs": [self.tok.id_to_piece(i) for i in ids] if body.return_token_strs else None}
@@ -97,7 +97,7 @@ class _API:
         prompts = body.prompt if isinstance(body.prompt, list) and body.prompt and \
             isinstance(body.prompt[0], (str, list)) else [body.prompt]
         check_sizes(self.limits, body, len(prompts), [p for p in prompts if isinstance(p, str)], "prompt")
-        ids = [self.tok.encode(p) if isinstance(p, str) else p for p in prompts]
+        ids = [self.tok.encode_prompt(p) if isinstance(p, str) else p for p in prompts]
         texts = [p if isinstance(p, str) else None for p in prompts]     # echo: the prompt as it was sent
         return await self._run(request, body, ids, chat=False, texts=texts, gate=gate)
 
