@@ -71,7 +71,9 @@ class ModelConfig:
         keys = ROPE_TYPES[kind]
         if missing := [k for k in keys if k not in rope]:
             raise ValueError(f"RoPE scaling {kind!r} needs {missing} in config.json")
-        scaling = None if kind == "default" else (("rope_type", kind), *((k, float(rope[k])) for k in keys))
+        # dynamic NTK changes nothing within max_position_embeddings (it raises the base only past it, where
+        # transformers' frequencies would depend on the longest length seen so far), and the context stops there
+        scaling = None if kind in ("default", "dynamic") else (("rope_type", kind), *((k, float(rope[k])) for k in keys))
         return cls(
             n_layers=cfg["num_hidden_layers"],
             d_model=cfg["hidden_size"],
@@ -94,5 +96,5 @@ class ModelConfig:
 
 
 # the RoPE scalings minillm computes, and the numbers each reads from config.json
-ROPE_TYPES = {"default": (), "linear": ("factor",),
+ROPE_TYPES = {"default": (), "linear": ("factor",), "dynamic": ("factor",),
               "llama3": ("factor", "low_freq_factor", "high_freq_factor", "original_max_position_embeddings")}

@@ -123,7 +123,8 @@ class Tokenizer:
         ids = list(ids)
         if ids and (min(ids) < 0 or max(ids) >= self.vocab_size):    # (checked as Python ints: any size)
             raise ValueError(f"token ids must be in [0, {self.vocab_size}); got {min(ids)}..{max(ids)}")
-        return self.enc.decode_bytes(self._id_to_rank[np.asarray(ids, dtype=np.int64)].tolist())
+        ranks = self._id_to_rank[np.asarray(ids, dtype=np.int64)]
+        return self.enc.decode_bytes(ranks[ranks >= 0].tolist())     # an unused id (padding) has no bytes
 
     def decode(self, ids) -> str:
         """Model token ids -> text (invalid UTF-8 becomes U+FFFD, as in the reference)."""
@@ -191,10 +192,12 @@ class Tokenizer:
         pre = pretokenize.from_tokenizer_json(spec, f"{folder / 'tokenizer.json'}")
         added = {t["content"]: t for t in spec.get("added_tokens", [])}
         ids = {**model["vocab"], **{t: a["id"] for t, a in added.items()}}
-        tokens = [""] * (max(ids.values()) + 1)
+        # the model's vocabulary may be larger than the tokenizer's (Qwen pads it): unused ids, as llama.cpp names them
+        n = max(max(ids.values()) + 1, read("config.json").get("vocab_size") or 0)
+        tokens = [f"[PAD{i}]" for i in range(n)]
         for t, i in ids.items():
             tokens[i] = t
-        types = [(3 if added[t]["special"] else 4) if t in added else 1 for t in tokens]
+        types = [(3 if added[t]["special"] else 4) if t in added else 1 if t in ids else 5 for t in tokens]
         token = lambda key: (v.get("content") if isinstance(v := config.get(key), dict) else v)  # noqa: E731
         id_of = lambda key: ids.get(token(key))  # noqa: E731
         template = config.get("chat_template")

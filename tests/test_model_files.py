@@ -212,3 +212,30 @@ def test_what_minillm_does_not_read_is_refused_in_one_line(trained, folders, ggu
         with pytest.raises(ValueError) as e:
             call()
         assert "\n" not in str(e.value) and all(w in str(e.value) for w in words), str(e.value)
+
+
+def test_a_downloaded_folder_serves_from_the_command_line(trained, tmp_path):
+    """A Qwen3 folder as the hub ships one: bfloat16 safetensors in shards with an index, the tokenizer files, a
+    vocabulary padded past the tokenizer's; `python -m minillm serve --model NAME=FOLDER` answers with the
+    tokens transformers gives for those weights, on the model's own chat template."""
+    openai = pytest.importorskip("openai")
+    from minillm.course.launch_server import ServerProcess
+
+    tok = trained["qwen3"]
+    ref = _tiny("qwen3", tok.get_vocab_size() + 6, head_dim=32).to(torch.bfloat16)
+    ref.save_pretrained(tmp_path, max_shard_size="100KB")
+    assert len(list(tmp_path.glob("*.safetensors"))) > 1 and (tmp_path / "model.safetensors.index.json").is_file()
+    save_tokenizer_folder(tok, "qwen3", tmp_path)
+    ours = Tokenizer.from_hf_folder(tmp_path)
+    assert ours.vocab_size == ref.config.vocab_size and ours.decode([ref.config.vocab_size - 1]) == ""
+    chat = [{"role": "user", "content": "Hi there"}]
+    ids = ours.apply_chat_template(chat)
+    with torch.no_grad():
+        want = ref.float().generate(torch.tensor([ids]), max_new_tokens=8, min_new_tokens=8,
+                                    do_sample=False)[0, len(ids):].tolist()
+    with ServerProcess.minillm(["--model", f"qwen={tmp_path}", "--threads", "1", "--max-model-len", "256"]) as server:
+        client = openai.OpenAI(base_url=f"{server.url}/v1", api_key="unused", max_retries=0)
+        got = client.completions.create(model="qwen", prompt=ids, max_tokens=8, temperature=0, logprobs=0)
+        chat_answer = client.chat.completions.create(model="qwen", messages=chat, max_tokens=8, temperature=0)
+    assert got.usage.completion_tokens == 8 and got.choices[0].text == ours.decode(want)
+    assert chat_answer.usage.prompt_tokens == len(ids) and chat_answer.choices[0].message.content == ours.decode(want)
