@@ -38,12 +38,17 @@ class Shape:
     def within(self, token_ids, logprobs, text_bytes: int, start: int = 0):
         """The tokens (and logprobs) that start inside the answer's first text_bytes bytes, start: the bytes of
         its tokens before these. A stop string cuts the text; the tokens past the cut go with it."""
+        n, _ = self._span(token_ids, text_bytes, start)
+        return token_ids[:n], None if logprobs is None else logprobs[:n]
+
+    def _span(self, token_ids, text_bytes: int, start: int = 0) -> tuple[int, int]:
+        """(how many of the tokens start before byte text_bytes, the byte where the last of them ends)."""
         n, pos = 0, start
         for t in token_ids:
             if pos >= text_bytes:
                 break
             pos, n = pos + len(self.tok.decode_bytes([t])), n + 1
-        return token_ids[:n], None if logprobs is None else logprobs[:n]
+        return n, pos
 
     def logprobs(self, token_ids, logprobs):
         """Chat's logprobs object for these tokens (None when not asked for)."""
@@ -107,10 +112,9 @@ class Shape:
         sent, pending = self.sent_bytes.setdefault(index, [0, 0]), self.pending.get(index, [])
         pairs = pending + list(zip(token_ids, logprobs if logprobs is not None else [None] * len(token_ids)))
         sent[0] += len(text.encode())
-        ids, _ = self.within([t for t, _ in pairs], None, sent[0], sent[1])
-        self.pending[index] = [] if out.finished else pairs[len(ids):]
-        token_ids, logprobs = ids, None if logprobs is None else [lp for _, lp in pairs[:len(ids)]]
-        sent[1] += sum(len(self.tok.decode_bytes([t])) for t in token_ids)
+        n, sent[1] = self._span([t for t, _ in pairs], sent[0], sent[1])
+        self.pending[index] = [] if out.finished else pairs[n:]
+        token_ids, logprobs = [t for t, _ in pairs[:n]], None if logprobs is None else [lp for _, lp in pairs[:n]]
         if self.chat:
             d = {"role": "assistant", "content": text} if first else ({"content": text} if text else {})
             return {"index": index, "delta": d, "logprobs": self.logprobs(token_ids, logprobs), "finish_reason": reason}
