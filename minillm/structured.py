@@ -43,7 +43,8 @@ class _Vocabulary:
         self.tokens = token_bytes(tokenizer)
         self.eos_token_id = tokenizer.eos_id
         self.bos_token_id = None
-        self.special_token_ids = sorted(tokenizer.special_tokens.values())
+        # special, for the grammar: never part of an answer's text (unused ids have none to give)
+        self.special_token_ids = sorted({*tokenizer.special_tokens.values(), *tokenizer.unused_ids})
         self._tok = tokenizer
 
     def __call__(self, text) -> list[int]:

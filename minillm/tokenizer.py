@@ -88,6 +88,8 @@ class Tokenizer:
         self._id_to_rank = np.full(len(tokens), -1, dtype=np.int64)
         self._id_to_rank[rank_to_id[known]] = np.flatnonzero(known)
         rank_to_id[~known] = unk_id  # a byte with no token of its own encodes as <unk>
+        # ids with no bytes at all (a vocabulary padded past the tokenizer's): never text
+        self.unused_ids = frozenset(np.flatnonzero(self._id_to_rank < 0).tolist())
         self._rank_to_id = rank_to_id
         self.pre = pre
         self.enc = tiktoken.Encoding(name=name, pat_str=pre.pattern,

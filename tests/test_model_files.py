@@ -228,6 +228,8 @@ def test_a_downloaded_folder_serves_from_the_command_line(trained, tmp_path):
     save_tokenizer_folder(tok, "qwen3", tmp_path)
     ours = Tokenizer.from_hf_folder(tmp_path)
     assert ours.vocab_size == ref.config.vocab_size and ours.decode([ref.config.vocab_size - 1]) == ""
+    from minillm.structured import _Vocabulary     # a grammar never offers an unused id as text
+    assert len(ours.unused_ids) == 6 and ours.unused_ids <= set(_Vocabulary(ours).special_token_ids)
     chat = [{"role": "user", "content": "Hi there"}]
     ids = ours.apply_chat_template(chat)
     with torch.no_grad():
