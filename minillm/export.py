@@ -57,12 +57,19 @@ def hf_config(cfg, tok: Tokenizer, dtype: torch.dtype) -> dict:
     }
 
 
-def tokenizer_json(gguf_path: Path) -> dict:
-    """tokenizer.json (Hugging Face tokenizers' format) for the vocabulary and merges in a GGUF file."""
+def check_tokenizer(gguf_path: Path) -> None:
+    """ValueError unless the file's tokenizer is one tokenizer_json writes (SmolLM2's)."""
     reader = gguf_reader(gguf_path)
     f = lambda k: reader.fields[k].contents() if k in reader.fields else None  # noqa: E731
     if f("tokenizer.ggml.model") != "gpt2" or f("tokenizer.ggml.pre") not in ("smollm", None):
         raise ValueError(f"{gguf_path}: only byte-level BPE with SmolLM2's pre-tokenizer is exported")
+
+
+def tokenizer_json(gguf_path: Path) -> dict:
+    """tokenizer.json (Hugging Face tokenizers' format) for the vocabulary and merges in a GGUF file."""
+    check_tokenizer(gguf_path)
+    reader = gguf_reader(gguf_path)
+    f = lambda k: reader.fields[k].contents() if k in reader.fields else None  # noqa: E731
     tokens, types = f("tokenizer.ggml.tokens"), f("tokenizer.ggml.token_type")
     byte_level = {"type": "ByteLevel", "add_prefix_space": False, "trim_offsets": True, "use_regex": True}
     return {
@@ -106,7 +113,7 @@ def export(out_dir: str | Path, model: str | Path | None = None, dtype: torch.dt
     out = Path(out_dir)
     if out.exists() and any(out.iterdir()):
         raise ValueError(f"{out} is not empty: export into a new or empty folder")
-    tokenizer_json(src)                 # its tokenizer is one export writes (checked before any file is written)
+    check_tokenizer(src)                # its tokenizer is one export writes (checked before any file is written)
     cfg, state, _ = load_state(src, torch.float32)
     if cfg.rope_scaling or cfg.qkv_bias or cfg.qk_norm:
         raise ValueError(f"{src}: export writes Llama models without RoPE scaling; load this model's own folder")

@@ -36,8 +36,6 @@ import tiktoken
 from . import chat_template, pretokenize
 from .pretokenize import PreTokenizer
 
-# SmolLM2's pattern: GPT-2's with `\p{N}` alone (one digit per word) and whitespace stopping before digits.
-PRETOKENIZE_PATTERN = pretokenize.SMOLLM
 # the tokens that end a turn or a text in the families minillm reads, besides the file's own end token
 TURN_ENDS = ("<|im_end|>", "<|endoftext|>", "<|eot_id|>", "<|eom_id|>", "<|end_of_text|>")
 

@@ -128,6 +128,15 @@ def test_gguf_files_of_each_architecture_give_transformers_tokens(gguf_models, f
     same_as_transformers(ref, ours, tok=tok)
 
 
+def test_gguf_linear_rope_scaling_from_the_metadata(trained, tmp_path):
+    tok = trained["llama3"]
+    ref = _tiny("llama3", tok.get_vocab_size(), rope_scaling={"rope_type": "linear", "factor": 4.0})
+    path = write_gguf(tmp_path / "linear.gguf", "llama", ref, tok, "llama3", rope_linear=4.0)
+    ours = minillm.load_model(path)
+    assert dict(ours.cfg.rope_scaling) == {"rope_type": "linear", "factor": 4.0}
+    same_as_transformers(ref, ours, tok=minillm.load_tokenizer(path))
+
+
 def test_serve_answers_each_family_with_its_template_and_tokens(gguf_models):
     openai = pytest.importorskip("openai")
     models = {f: (minillm.load_model(p), minillm.load_tokenizer(p)) for f, (_, p) in gguf_models.items()}

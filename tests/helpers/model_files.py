@@ -158,9 +158,11 @@ _NAMES = {"input_layernorm": "attn_norm", "self_attn.q_proj": "attn_q", "self_at
 
 
 def write_gguf(path: Path, arch: str, model, tok=None, family: str | None = None, matrix_type=None,
-               rope_freqs: np.ndarray | None = None, pre: str | None = None) -> Path:
+               rope_freqs: np.ndarray | None = None, pre: str | None = None, rope_linear: float | None = None) -> Path:
     """A GGUF file of a transformers model (its weights under llama.cpp's names, 2-D weights in `matrix_type`:
-    a GGMLQuantizationType, default F32) and of a trained tokenizer, with llama.cpp's metadata keys."""
+    a GGMLQuantizationType, default F32) and of a trained tokenizer, with llama.cpp's metadata keys.
+    RoPE scaling as llama.cpp's converter writes it: llama3 as rope_freqs (one divisor per frequency),
+    linear as rope_linear (its factor, in the metadata)."""
     import gguf
     from gguf import GGMLQuantizationType as T
 
@@ -195,6 +197,9 @@ def write_gguf(path: Path, arch: str, model, tok=None, family: str | None = None
         w.add_add_bos_token(add_bos)
         if template:
             w.add_chat_template(template)
+    if rope_linear is not None:
+        w.add_rope_scaling_type(gguf.RopeScalingType.LINEAR)
+        w.add_rope_scaling_factor(rope_linear)
     if rope_freqs is not None:
         w.add_tensor("rope_freqs.weight", rope_freqs.astype(np.float32))
     for name, p in model.state_dict().items():
