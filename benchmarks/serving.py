@@ -3,6 +3,7 @@ workload, the servers taking turns in one run.
 
     python benchmarks/serving.py [--vllm-python /path/to/venv/bin/python] [--peer-python /path/to/venv/bin/python]
                                  [--dtypes float32,bfloat16] [--num-requests 48,128] [--out ...json]
+                                 [--minillm-variant "--max-num-seqs 128"] [--minillm-from OTHER_CHECKOUT]
 
 Servers (each a child process on a loopback port, all started before the sweep; one is measured at a time):
   minillm                  python -m minillm serve (continuous batching, chunked prefill, prefix caching)
@@ -93,6 +94,11 @@ def servers(args, hf_dir: Path, dtype: str = "float32") -> dict[str, ServerProce
     out = {"minillm": ServerProcess.minillm(["--threads", threads, "--dtype", dtype])}
     for extra in args.minillm_variant:      # the same server with other options, measured in turn with the rest
         out[f"minillm {extra}"] = ServerProcess.minillm(["--threads", threads, "--dtype", dtype, *extra.split()])
+    for other in args.minillm_from:         # another checkout (the commit before a change), same options
+        label = subprocess.run(["git", "-C", other, "rev-parse", "--short", "HEAD"], capture_output=True,
+                               text=True).stdout.strip() or other
+        out[f"minillm at {label}"] = ServerProcess.minillm(["--threads", threads, "--dtype", dtype],
+                                                           cwd=str(Path(other).resolve()))   # its own minillm
     if args.vllm_python:
         # its documented CPU settings: KV cache space in GiB, OpenMP threads bound to these cores
         out[VLLM] = ServerProcess(
@@ -127,6 +133,8 @@ def main():
     ap.add_argument("--peer-python", default=None, help="a Python with llama-cpp-python[server] (adds llama.cpp)")
     ap.add_argument("--minillm-variant", action="append", default=[],
                     help="minillm serve again with these options (e.g. '--max-num-seqs 128'), one server per use")
+    ap.add_argument("--minillm-from", action="append", default=[], metavar="DIR",
+                    help="minillm serve from another checkout (e.g. `git worktree add DIR HEAD~1`), one server per use")
     ap.add_argument("--no-transformers", action="store_true")
     ap.add_argument("--no-plain-transformers", action="store_true",
                     help="only `transformers serve --continuous-batching` (the plain one is slow at every rate)")

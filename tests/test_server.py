@@ -327,3 +327,29 @@ def test_serve_command_finishes_running_streams_on_shutdown(tmp_path):
         proc.kill()
     log = proc.stdout.read()
     assert "127.0.0.1" in log and "Traceback" not in log, log
+
+
+def test_the_engine_steps_on_the_thread_that_built_it(model, tokenizer):
+    """`serve` loads each model in its engine thread and steps it there: one team of OpenMP threads."""
+    import threading
+
+    from minillm.server.async_engine import AsyncEngine, engine_thread
+
+    thread = engine_thread()
+    built_on, engine = thread.submit(lambda: (threading.get_ident(),
+                                              LLMEngine(model, tokenizer, kv_cache_memory=16 << 20, verbose=False))).result()
+    stepped_on, step = set(), engine.step
+    engine.step = lambda: (stepped_on.add(threading.get_ident()), step())[1]
+    aengine = AsyncEngine(engine, runs_on=thread)
+    aengine.start()
+
+    async def ask():
+        return [o async for o in aengine.generate("r", tokenizer.encode("Hi"), SamplingParams(max_tokens=3))]
+    try:
+        assert aengine.healthy
+        outs = asyncio.run(ask())
+    finally:
+        aengine.stop()
+    assert outs[-1].finished and len(outs[-1].token_ids) == 3
+    assert stepped_on == {built_on}
+    assert not aengine.healthy

@@ -32,9 +32,9 @@ def parse_models(values: list[str] | None, served_name: str | None) -> list[tupl
 
 
 def cmd_serve(args) -> None:
-    from ..engine import LLMEngine
     from ..routing import RoutePolicy
     from ..server import serve
+    from ..server.async_engine import engine_thread
 
     args.stage = "continuous"
     check_speculative(args)
@@ -46,20 +46,13 @@ def cmd_serve(args) -> None:
     models = parse_models(args.model, args.served_model_name)
     if args.route_threshold is not None and len(models) < 2:
         fail("--route-threshold routes between two models: give two --model NAME=PATH (the cheap one first)")
-    engines, where = {}, None
+    engines, threads, where = {}, {}, None
     for name, path, quant in models:
-        model, tok, where = load(Namespace(**{**vars(args), "model": path, "quant": quant or args.quant}),
-                                 pack_weights=not args.no_pack_weights, say_backend=True)
-        try:
-            engines[name or model.cfg.name] = LLMEngine(
-                model, tok, max_num_seqs=args.max_num_seqs, max_num_batched_tokens=args.max_num_batched_tokens,
-                kv_cache_memory=int(args.kv_cache_memory * 2**30), max_model_len=args.max_model_len,
-                enable_prefix_caching=not args.no_prefix_caching, speculative=args.speculative,
-                num_speculative_tokens=args.num_speculative_tokens, kv_cache_dtype=args.kv_cache_dtype,
-                enforce_eager=args.enforce_eager, adaptive_speculation=args.adaptive_speculation,
-                attention=args.attention)
-        except ValueError as e:   # e.g. --attention cpu where no compiler builds its kernel
-            fail(str(e))
+        # each model is loaded in the thread that will step it (async_engine.py says why)
+        thread = engine_thread()
+        engine, where = thread.submit(build_engine, args, path, quant).result()
+        engines[name or engine.model.cfg.name] = engine
+        threads[name or engine.model.cfg.name] = thread
     names = list(engines)
     route = None
     if args.route_threshold is not None:
@@ -70,4 +63,22 @@ def cmd_serve(args) -> None:
     served = ", ".join(names + (["auto"] if route else []))
     print(f"minillm: serving {served} on http://{args.host}:{args.port}/v1 ({where})", file=sys.stderr, flush=True)
     serve(engines, None, args.host, args.port, args.api_key, args.max_queued_requests, args.graceful_timeout,
-          max_tokens_default=args.max_tokens_default, route=route)
+          max_tokens_default=args.max_tokens_default, route=route, engine_threads=threads)
+
+
+def build_engine(args, path: str | None, quant: str | None):
+    """One served model: (its LLMEngine, where it runs)."""
+    from ..engine import LLMEngine
+
+    model, tok, where = load(Namespace(**{**vars(args), "model": path, "quant": quant or args.quant}),
+                             pack_weights=not args.no_pack_weights, say_backend=True)
+    try:
+        return LLMEngine(
+            model, tok, max_num_seqs=args.max_num_seqs, max_num_batched_tokens=args.max_num_batched_tokens,
+            kv_cache_memory=int(args.kv_cache_memory * 2**30), max_model_len=args.max_model_len,
+            enable_prefix_caching=not args.no_prefix_caching, speculative=args.speculative,
+            num_speculative_tokens=args.num_speculative_tokens, kv_cache_dtype=args.kv_cache_dtype,
+            enforce_eager=args.enforce_eager, adaptive_speculation=args.adaptive_speculation,
+            attention=args.attention), where
+    except ValueError as e:   # e.g. --attention cpu where no compiler builds its kernel
+        fail(str(e))

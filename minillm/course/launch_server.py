@@ -36,12 +36,13 @@ def interrupt_signal() -> int:
 
 class ServerProcess:
     def __init__(self, command: list[str], ready: str = "/health", port: int | None = None,
-                 start_timeout_s: float = 300.0, stop_timeout_s: float = 30.0, env: dict | None = None):
+                 start_timeout_s: float = 300.0, stop_timeout_s: float = 30.0, env: dict | None = None,
+                 cwd: str | None = None):
         self.port = port or free_port()
         self.url = f"http://127.0.0.1:{self.port}"
         self.command = [c.replace("{port}", str(self.port)) for c in command]
         self.ready, self.start_timeout_s, self.stop_timeout_s = ready, start_timeout_s, stop_timeout_s
-        self.env = {**os.environ, **(env or {})}
+        self.env, self.cwd = {**os.environ, **(env or {})}, cwd
         self.log = tempfile.NamedTemporaryFile("w+", prefix="server-", suffix=".log", delete=False)
         self.proc: subprocess.Popen | None = None
 
@@ -53,7 +54,8 @@ class ServerProcess:
         import httpx
 
         group = {"creationflags": subprocess.CREATE_NEW_PROCESS_GROUP} if sys.platform == "win32" else {}
-        self.proc = subprocess.Popen(self.command, stdout=self.log, stderr=subprocess.STDOUT, env=self.env, **group)
+        self.proc = subprocess.Popen(self.command, stdout=self.log, stderr=subprocess.STDOUT, env=self.env, cwd=self.cwd,
+                                     **group)
         deadline = time.monotonic() + self.start_timeout_s
         while time.monotonic() < deadline:
             if self.proc.poll() is not None:

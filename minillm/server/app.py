@@ -244,9 +244,9 @@ async def _http_error(request, e):
 
 def create_app(engine, model_name: str | None = None, api_key: str | None = None,
                max_queued_requests: int | None = None, metrics=None, max_tokens_default: int = MAX_TOKENS_DEFAULT,
-               route: RoutePolicy | None = None) -> FastAPI:
+               route: RoutePolicy | None = None, engine_threads: dict | None = None) -> FastAPI:
     """engine: an LLMEngine served as model_name, or {name: LLMEngine} for several models (each engine's
-    thread starts with the app). metrics: a ServerMetrics, or None for a new one. max_tokens_default: the
+    thread starts with the app; engine_threads: {name: the engine_thread() that built it}, to step it there). metrics: a ServerMetrics, or None for a new one. max_tokens_default: the
     most tokens a request without max_tokens gets (one request cannot hold the engine to the end of the
     context). route: also serve route.name ("auto"), routed between two of the models."""
     from .metrics import ServerMetrics
@@ -262,7 +262,8 @@ def create_app(engine, model_name: str | None = None, api_key: str | None = None
     apis = {}
     for name, eng in engines.items():
         m = metrics if name == first else ServerMetrics(name, share=metrics)
-        apis[name] = _API(eng, AsyncEngine(eng, m, max_queued_requests), name, m, max_tokens_default)
+        aengine = AsyncEngine(eng, m, max_queued_requests, runs_on=(engine_threads or {}).get(name))
+        apis[name] = _API(eng, aengine, name, m, max_tokens_default)
     server = _Server(apis, metrics, route)
 
     @asynccontextmanager
@@ -320,11 +321,12 @@ async def _parse(request: Request, model):
 
 def serve(engine, model_name: str | None = None, host: str = "127.0.0.1", port: int = 8000,
           api_key: str | None = None, max_queued_requests: int | None = None, graceful_timeout_s: float = 30.0,
-          log_level: str = "info", max_tokens_default: int = MAX_TOKENS_DEFAULT, route: RoutePolicy | None = None) -> None:
+          log_level: str = "info", max_tokens_default: int = MAX_TOKENS_DEFAULT, route: RoutePolicy | None = None,
+          engine_threads: dict | None = None) -> None:
     """Run the server until Ctrl-C / SIGTERM. On shutdown it stops taking connections, lets running
     answers finish for up to graceful_timeout_s, then aborts what is left and closes those streams."""
     import uvicorn
 
     app = create_app(engine, model_name, api_key, max_queued_requests, max_tokens_default=max_tokens_default,
-                     route=route)
+                     route=route, engine_threads=engine_threads)
     uvicorn.run(app, host=host, port=port, log_level=log_level, timeout_graceful_shutdown=graceful_timeout_s)

@@ -13,6 +13,13 @@ never blocks a connection. They talk through two queues:
 
 The thread takes every pending command before each step, so a new request joins the very next
 batch and an aborted one (a client that went away) gives its blocks back before it.
+
+One thread runs the model, from loading to stepping: `python -m minillm serve` loads each model in
+the thread that will step it (`engine_thread()`, then `AsyncEngine(..., runs_on=that thread)`). Each
+thread that runs a parallel operator gets a team of OpenMP threads of its own; with a second team
+(the main thread's, left from loading the model there) there are more OpenMP threads than cores, and
+GNU OpenMP then lets a waiting thread spin only ~100 times before it sleeps, so every operator waits
+for its helpers to wake: benchmarks/engine_thread.py measures what that costs a step.
 """
 from __future__ import annotations
 
@@ -20,6 +27,7 @@ import asyncio
 import logging
 import queue
 import threading
+from concurrent.futures import Future, ThreadPoolExecutor
 from typing import AsyncIterator
 
 from ..engine import LLMEngine
@@ -33,9 +41,16 @@ class QueueFull(Exception):
     """More requests are waiting than --max-queued-requests allows (HTTP 503)."""
 
 
+def engine_thread() -> ThreadPoolExecutor:
+    """A thread to build a model's engine in and then step it: `engine_thread().submit(build).result()`."""
+    return ThreadPoolExecutor(1, thread_name_prefix="minillm-engine")
+
+
 class AsyncEngine:
-    def __init__(self, engine: LLMEngine, metrics=None, max_queued_requests: int | None = None):
-        self.engine, self.metrics = engine, metrics
+    def __init__(self, engine: LLMEngine, metrics=None, max_queued_requests: int | None = None,
+                 runs_on: ThreadPoolExecutor | None = None):
+        """runs_on: the thread (engine_thread()) that built the engine, to step it there; None: a new thread."""
+        self.engine, self.metrics, self.runs_on = engine, metrics, runs_on
         self.max_queued_requests = max_queued_requests
         self._commands: queue.SimpleQueue = queue.SimpleQueue()
         self._wake = threading.Event()
@@ -43,24 +58,36 @@ class AsyncEngine:
         self._pending_adds = 0          # requests sent to the thread, not yet in the engine's queue
         self._pending_lock = threading.Lock()   # counted up by the event loop, down by the engine thread
         self._stop = False
-        self._thread: threading.Thread | None = None
+        self._running: Future | None = None     # the loop, done when it ends
         self.error: BaseException | None = None     # what stopped the engine thread, if anything did
 
     # ------------------------------------------------------------ lifecycle
     def start(self) -> None:
-        self._thread = threading.Thread(target=self._loop, name="minillm-engine", daemon=True)
-        self._thread.start()
+        if self.runs_on is not None:
+            self._running = self.runs_on.submit(self._loop)
+            return
+        self._running = Future()
+
+        def run():
+            self._loop()
+            self._running.set_result(None)
+        threading.Thread(target=run, name="minillm-engine", daemon=True).start()
 
     def stop(self, timeout: float = 10.0) -> None:
         """Abort what is still running (its streams end with finish_reason "abort") and end the thread."""
         self._stop = True
         self._wake.set()
-        if self._thread is not None:
-            self._thread.join(timeout)
+        if self._running is not None:
+            try:
+                self._running.result(timeout)
+            except TimeoutError:
+                logger.warning("the engine thread did not stop within %.0f s", timeout)
+        if self.runs_on is not None:
+            self.runs_on.shutdown(wait=False)
 
     @property
     def healthy(self) -> bool:
-        return self._thread is not None and self._thread.is_alive() and self.error is None
+        return self._running is not None and not self._running.done() and self.error is None
 
     @property
     def num_waiting(self) -> int:
@@ -109,9 +136,9 @@ class AsyncEngine:
 
     # ------------------------------------------------------------ the engine thread
     def _loop(self) -> None:
-        eng = self.engine
+        eng, main = self.engine, threading.main_thread()
         try:
-            while not self._stop:
+            while not self._stop and main.is_alive():    # (a program that ends without stop() ends it too)
                 self._take_commands()
                 if not eng.has_unfinished_requests():
                     self._wake.wait(0.5)
