@@ -6,7 +6,7 @@ import torch.nn.functional as F
 
 from torch import nn
 
-from minillm.backends import apply_backend, packed
+from minillm.backends import apply_backend, matvec, packed
 from minillm.backends.layers import CLinear
 from minillm.backends.native import c_layers
 from minillm.config import ModelConfig
@@ -46,7 +46,7 @@ def test_a_packing_is_used_only_while_it_holds():
     w = torch.randn(32, 64)
     layer = nn.Linear(64, 32, bias=False)
     layer.weight = nn.Parameter(w, requires_grad=False)
-    layer = CLinear.adopt(layer, c_rows=0)
+    layer = CLinear.adopt(layer, c_rows=4)
     x = torch.randn(16, 64)
     assert layer.packing is None                                     # never packed: F.linear
     layer.pack()
@@ -56,11 +56,14 @@ def test_a_packing_is_used_only_while_it_holds():
     packed.product = lambda *a: calls.append(1) or real(*a)
     try:
         layer(x)
-        layer(x[:8])                                                 # few rows: the C loops' or F.linear's
-        assert len(calls) == 1
+        layer(x[:5])                                                 # above the C loop's rows: packed too
+        assert len(calls) == 2
+        torch.testing.assert_close(layer(x[:2]), F.linear(x[:2], w), rtol=1e-4, atol=1e-4)
+        assert len(calls) == (2 if matvec.load_library() is not None else 3)   # the C loop's rows, where it builds
+        calls.clear()
         layer.weight.mul_(2)                                         # written in place: the packing is stale
         torch.testing.assert_close(layer(x), F.linear(x, layer.weight), rtol=1e-4, atol=1e-4)
-        assert len(calls) == 1 and layer.packing is None
+        assert not calls and layer.packing is None
     finally:
         packed.product = real
     with torch.inference_mode(), pytest.raises(ValueError, match="inference tensor"):

@@ -6,8 +6,8 @@ Each is a subclass of the plain layer that adds a fast path to `forward` and oth
 state_dict is the plain model's.
 
     CLinear       nn.Linear without bias (float32 or bfloat16): up to `c_rows` rows in the C loop
-                  (`matvec.matvec`); from `packed.MIN_ROWS` rows through oneDNN's packed copy where one is
-                  kept (`packing`); else F.linear
+                  (`matvec.matvec`); more rows through oneDNN's packed copy where one is kept (`packing`:
+                  at 5-8 rows F.linear took 2-3x as long as the packed product); else F.linear
     CInt8Linear   Int8Linear: up to `c_rows` rows in C, from the int8 rows as stored
     CQ4Linear     Q4Linear: up to `c_rows` rows in C, from a copy of the codes in the C loop's tiles
 
@@ -59,7 +59,7 @@ class CLinear(nn.Linear):
         if self.packing is not None and x.dtype == w.dtype and x.device.type == "cpu":
             if self.packing[0] != w._version:                      # written in place since it was packed
                 self.packing = None
-            elif x.numel() >= packed.MIN_ROWS * x.shape[-1] and not torch.compiler.is_compiling() and not grad:
+            elif not torch.compiler.is_compiling() and not grad:
                 return packed.product(x, self.packing[1])
         return F.linear(x, w)
 

@@ -1,8 +1,8 @@
 """The native backend on a CPU: a copy of the model's modules with the C layers swapped in, their kernels
 chosen by the races of `races.py`, and what was chosen kept on the copy (`backend_report`).
 
-    linear layers (float)     CLinear: the C loop up to the rows it won at, F.linear above; oneDNN's packed
-                              weights from 9 rows where asked and faster
+    linear layers (float)     CLinear: the C loop up to the rows it won at, F.linear above, or oneDNN's
+                              packed weights above where asked and faster
     int8 and Q4_1 layers      CInt8Linear, CQ4Linear: the C loop up to the rows it won at, torch's kernel above
     blocks                    CBlock: a decode's two halves around attention in one C call each, or the whole
                               block over a contiguous float32 cache (`c_block.py`)
@@ -74,7 +74,7 @@ def prepare(model, pack_weights: bool = False, remember: bool = True):
             if p["use_packed"]:
                 for m in group:
                     m.pack()
-            said += (f"; {'packed weights' if p['use_packed'] else 'F.linear'} from {packed.MIN_ROWS} rows "
+            said += (f"; above the C loop's rows {'packed weights' if p['use_packed'] else 'F.linear'} "
                      f"(64 rows: packed {p['packed_ms']:.1f} ms against F.linear {p['torch_ms']:.1f})")
         kernels[f"{str(dtype).removeprefix('torch.')} products"] = {"chosen": said, "measured": r}
 

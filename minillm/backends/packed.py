@@ -24,7 +24,6 @@ from functools import lru_cache
 import torch
 import torch.nn.functional as F
 
-MIN_ROWS = 9                  # fewer rows go to the C loops (`matvec.MAX_ROWS`) or stay with F.linear
 DTYPES = (torch.float32, torch.bfloat16)
 
 
