@@ -114,7 +114,7 @@ def build_parser() -> argparse.ArgumentParser:
     se.add_argument("--max-num-seqs", type=int, default=128,
                     help="sequences per step at most (default 128, as vLLM's CPU backend: with 128 requests at once, "
                          "one step for all of them gave more tokens/s than two batches of 64; "
-                         "benchmarks/results/cpu_serving_vllm.json)")
+                         "benchmarks/results/cpu_serving_vllm_seqs.json)")
     se.add_argument("--max-num-batched-tokens", type=int, default=512, help="tokens per step at most (default 512)")
     se.add_argument("--kv-cache-memory", type=float, default=1.0, metavar="GIB", help="KV cache size (default 1 GiB)")
     se.add_argument("--max-model-len", type=int, default=None, help="context per request (default: the model's)")
