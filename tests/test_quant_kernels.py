@@ -179,6 +179,28 @@ def test_int8_rows_are_the_row_absmax_grid_exactly():
     assert torch.equal(layer.q, torch.round(w / scale[:, None]).clamp(-127, 127).to(torch.int8))
 
 
+@pytest.mark.parametrize("rows", [1, 5, SMALL_ROWS + 1, 40])
+@pytest.mark.parametrize("many_rows", ["kernel", "dequantize"])
+def test_the_head_decides_near_ties_as_a_float32_head(rows, many_rows):
+    """An output head whose logits come back in bfloat16 (8 bits) recomputes its top few in float32: they
+    equal the float32 product of the int8 weight, and the argmax is the float32 head's, even where the
+    best two logits differ by less than bfloat16 can tell apart."""
+    g = torch.Generator().manual_seed(rows)
+    w = torch.randn(512, 64, generator=g)
+    w[1] = w[0] * (1 + 2 ** -12)                       # two rows whose logits nearly tie
+    x = torch.randn(rows, 64, generator=g)
+    x = w[0] + 0.3 * x                                 # ... and win: x is close to both
+    head = Int8Linear.from_float(w)
+    head.many_rows = many_rows
+    exact = F.linear(x, head.dequantize())             # (rows, out) float32 head, same int8 weight
+    assert (exact.argmax(-1) == 1).all()               # row 1 wins, by 2^-12 of its logit
+    head.rescore_top = 4
+    y = head(x)
+    assert y.dtype == torch.float32
+    torch.testing.assert_close(y[:, :2], exact[:, :2], rtol=1e-5, atol=1e-5)
+    assert (y.argmax(-1) == 1).all()
+
+
 @pytest.fixture(scope="module")
 def text(tokenizer):
     return heldout_ids(tokenizer, max_tokens=sum(SWITCH_ROWS))

@@ -63,6 +63,23 @@ def machine_info() -> dict:
             "cpu_features": [f for f in CPU_FEATURES if caps.get(f)]}
 
 
+def provenance() -> dict:
+    """Which code made a result, and when: {"commit": short hash (with "+ uncommitted changes" when the
+    work tree differs), "date": UTC}. Commit it beside machine_info() in every results JSON."""
+    root = Path(__file__).resolve().parents[2]
+
+    def git(*args):
+        try:
+            return subprocess.run(["git", "-C", str(root), *args], capture_output=True, text=True,
+                                  timeout=10).stdout.strip()
+        except (OSError, subprocess.SubprocessError):
+            return ""
+    commit = git("rev-parse", "--short", "HEAD") or "unknown"
+    dirty = git("status", "--porcelain", "--untracked-files=no")
+    return {"commit": commit + (" + uncommitted changes" if dirty else ""),
+            "date": time.strftime("%Y-%m-%d %H:%M UTC", time.gmtime())}
+
+
 def machine_label(info: dict | None = None) -> str:
     """One line for a figure's title: 'AMD EPYC (AVX2) · 2 cores, 2 threads · 23.5 GiB' (and the GPU, if any)."""
     info = info or machine_info()

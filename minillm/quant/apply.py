@@ -7,6 +7,8 @@
 
 The output head (the embedding matrix, tied) is kept at 8 bits in every format, as llama.cpp keeps it:
 it is the layer whose errors reach the logits directly. The embedding lookup reads the same int8 rows.
+Where the head's kernel gives bfloat16 logits, its top few are recomputed in float32 (`Int8Linear.rescore`),
+so that near-ties are decided as a float32 head would decide them.
 
 On a CPU, the native backend (`backends/`) gives the int8 and Q4_1 layers C loops for a decode's few rows,
 where they measure faster; quantize first, then apply the backend.
@@ -23,6 +25,7 @@ from .gguf_blocks import Q4Weight, read_q4_1
 from .linear import Int8Linear, Q4Linear, W8A8Linear
 
 FORMATS = ("int8", "w8a8", "q4", "q4_file")
+RESCORE_TOP = 8     # the int8 head's largest logits recomputed in float32 (Int8Linear.rescore)
 LINEARS = (("attn", "wqkv"), ("attn", "wo"), ("mlp", "w_gate_up"), ("mlp", "w_down"))
 
 
@@ -78,6 +81,8 @@ def quantize_model(model, quant: str, path: str | Path | None = None, smooth: di
             setattr(parent, name, layer.to(device))
     w_out = model.lm_head.weight if "lm_head" in model._modules else model.tok_emb.weight
     head = W8A8Linear(w_out) if quant == "w8a8" else Int8Linear.from_float(w_out)
+    if isinstance(head, Int8Linear):
+        head.rescore_top = RESCORE_TOP
     model.lm_head = head.to(device)
     if model.cfg.tie_embeddings:   # the lookup shares the head's int8 table: no float copy left
         model.tok_emb = Int8Embedding(head.int8 if quant == "w8a8" else head, model.dtype)

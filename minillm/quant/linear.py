@@ -120,6 +120,7 @@ class Int8Linear(nn.Module):
         self.register_buffer("scale_bf16", scale.bfloat16())        # what the kernel reads
         self.in_features, self.out_features = q.shape[1], q.shape[0]
         self.many_rows = default_many_rows()
+        self.rescore_top = 0        # the output head sets it: see `rescore`
         # ATen's AVX-512 int8 kernel reads each row in whole chunks of 16 values: with in_features not a
         # multiple of 16 it reads past the row (wrong sums or a crash, torch 2.13), so it is not even probed
         self.cpu_kernel = (kernel and q.device.type == "cpu" and self.in_features % INT8_KERNEL_CHUNK == 0
@@ -151,7 +152,21 @@ class Int8Linear(nn.Module):
             y = self._kernel(x2)
         else:
             y = _dequantized_matmul(x2, self.dequantize)
+        if self.rescore_top and y.dtype != x.dtype == torch.float32:
+            y = self.rescore(x2, y)
         return y.to(x.dtype).view(*x.shape[:-1], self.out_features)
+
+    def rescore(self, x2: torch.Tensor, y: torch.Tensor) -> torch.Tensor:
+        """The head's logits y (rows, out), computed in bfloat16, with each row's `rescore_top` largest
+        recomputed in float32 from x2 (rows, in) float32 and the int8 rows: bfloat16 keeps 8 bits, so two
+        logits of 20 closer than 0.08 can swap places, and greedy decoding then picks another token. The
+        float32 top few put them back in float32's order (what a float32 head would pick, unless the winner
+        was not among them) for a gather of rescore_top rows per row instead of a float32 pass over all."""
+        y = y.float()                                                      # (rows, out)
+        top = y.topk(self.rescore_top, dim=-1).indices                     # (rows, k)
+        w = self.q[top].float() * self.scale[top, None]                    # (rows, k, in)
+        exact = (w @ x2.float()[:, :, None]).squeeze(-1)                   # (rows, k)
+        return y.scatter_(1, top, exact)
 
 
 def _dequantized_matmul(x2: torch.Tensor, dequantize) -> torch.Tensor:
