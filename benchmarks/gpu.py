@@ -454,7 +454,8 @@ def part_flips(ctx: Context) -> dict:
     out["speculative"]["none"] = {"decode_tokens_per_s": plain["decode_tokens_per_s"]}
     for proposer in ("ngram", "layers:15"):
         try:
-            r = _engine_decode(model, tok, [ids], n, max_num_seqs=8, speculative=proposer, num_speculative_tokens=4)
+            r = _engine_decode(model, tok, [ids], n, max_num_seqs=8, speculative=proposer, num_speculative_tokens=4,
+                               adaptive_speculation=False)
             out["speculative"][proposer] = {"decode_tokens_per_s": r["decode_tokens_per_s"],
                                             "same_tokens": r["tokens"] == plain["tokens"]}
         except Exception as e:

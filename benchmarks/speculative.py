@@ -17,7 +17,7 @@ from pathlib import Path
 import torch
 
 import minillm
-from minillm.course.bench import machine_info
+from minillm.course.bench import machine_info, provenance
 from minillm.course.speculative_bench import draft_cost, pass_costs, run_tasks, summarize_tasks
 
 CONFIGS = [("ngram", 2), ("ngram", 4), ("ngram", 8), ("layers:24", 2), ("layers:24", 4), ("layers:15", 2)]
@@ -29,7 +29,7 @@ ADAPTIVE = [("ngram", 4), ("ngram", 4, "adaptive"), ("ngram", 8, "adaptive"), ("
 DRAFT = [("ngram", 4), ("draft:q4", 3), ("draft:q4", 5), ("draft:int8", 4), ("ngram+draft:q4", 5),
          ("draft:q4", 6, "adaptive")]
 
-ENGINE = [(None, 0), ("ngram", 4), ("ngram", 4, "adaptive")]
+ENGINE = [(None, 0), ("ngram", 4), ("ngram", 4, "adaptive"), ("ngram", 8, "adaptive")]
 ENGINE_DRAFT = [(None, 0), ("draft:q4", 4), ("ngram+draft:q4", 4), ("draft:q4", 4, "adaptive")]
 
 
@@ -83,6 +83,10 @@ def main():
     ap.add_argument("--engine", default=None, metavar="B,B,...",
                     help="with --adaptive or --draft: also the serving engine over all the prompts at these "
                          "max_num_seqs")
+    ap.add_argument("--backend", default="torch", choices=("torch", "native", "auto"),
+                    help="the model's layers: plain PyTorch (default, as notebook 10 runs) or the native backend's, "
+                         "as the command line runs them (one stream as `generate` does; the engine with its float "
+                         "weights packed, as `serve` does)")
     args = ap.parse_args()
     name = "cpu_speculative_draft.json" if args.draft else \
         "cpu_speculative_adaptive.json" if args.adaptive else "cpu_speculative.json"
@@ -90,6 +94,11 @@ def main():
     if args.threads:
         torch.set_num_threads(args.threads)
     model, tok = minillm.load_model(), minillm.load_tokenizer()
+    served = model
+    if args.backend != "torch":
+        from minillm.backends import apply_backend
+        served = apply_backend(model, args.backend, pack_weights=True) if args.engine else None
+        model = apply_backend(model, args.backend)
     tasks = [json.loads(line) for line in open(args.tasks)]
     if args.per_task:
         tasks = [t for i, t in enumerate(tasks) if [u["task"] for u in tasks[:i]].count(t["task"]) < args.per_task]
@@ -97,10 +106,11 @@ def main():
     costs = pass_costs(model)
     c = {n: draft_cost(model, n) for n in ((15, 24) if not args.draft else ("q4", "int8"))}
     rows = run_tasks(model, tok, tasks, configs, max_tokens=args.max_tokens, repeats=args.repeats)
-    engine = engine_runs(model, tok, tasks, [int(b) for b in args.engine.split(",")], args.max_tokens,
+    engine = engine_runs(served, tok, tasks, [int(b) for b in args.engine.split(",")], args.max_tokens,
                          args.repeats, ENGINE_DRAFT if args.draft else ENGINE) if args.engine else None
     info = machine_info()
-    result = {"machine": info["cpu"], "gpu": info["gpu"], "torch": info["torch"], "threads": info["threads"],
+    result = {"machine": info["cpu"], **provenance(), "gpu": info["gpu"], "torch": info["torch"],
+              "threads": info["threads"], "backend": args.backend,
               "dtype": "float32", "max_tokens": args.max_tokens, "configs": configs, "repeats": args.repeats,
               "pass_cost_s": costs, "draft_cost_ratio": c, "rows": rows, "summary": summarize_tasks(rows),
               **({"engine": engine} if engine else {})}

@@ -65,16 +65,18 @@ def check_prompt(prompt_ids: list[int], max_seq_len: int) -> None:
 
 def stream(model, tokenizer, prompt_ids: list[int], params: SamplingParams | None = None,
            stage: str = "naive", result: Generation | None = None,
-           speculative=None, num_speculative_tokens: int = 4, runner=None,
+           speculative=None, num_speculative_tokens: int | None = None, runner=None,
            kv_cache_dtype: str | None = None, enforce_eager: bool = False,
-           adaptive_speculation: bool = False) -> Iterator[str]:
+           adaptive_speculation: bool | None = None) -> Iterator[str]:
     """Generate, yielding text as it is decoded (never half a character, never part of a stop string).
 
     Pass a `Generation` as `result` to receive the token ids and timings as they happen.
-    speculative: a proposer ('ngram', 'layers:N' or a `speculative.Proposer`) drafting
+    speculative: a proposer ('ngram', 'layers:N' or a `speculative.Proposer`) drafting up to
     num_speculative_tokens tokens per step for the model to verify (stage 6, `speculative/`).
     adaptive_speculation: draft 0..num_speculative_tokens tokens per step, as the sequence's own acceptance
-    and the measured cost of a pass make worthwhile (`speculative/adaptive.py`).
+    and the measured cost of a pass make worthwhile (`speculative/adaptive.py`); None (the default): on
+    whenever `speculative` is given; False: num_speculative_tokens every step. num_speculative_tokens
+    None: 8 adaptive, 4 fixed (`speculation_settings`).
     runner: run on this runner instead of a new one of the stage (rank 0 of a tensor-parallel run passes
     one that also drives the other ranks, `distributed/leader.py`).
     kv_cache_dtype: None (the model's dtype), "int8" or "int4": how the stage's cache stores K/V.
@@ -94,6 +96,10 @@ def stream(model, tokenizer, prompt_ids: list[int], params: SamplingParams | Non
     if adaptive_speculation and speculative is None:
         raise ValueError("adaptive_speculation chooses how many tokens a speculative proposer drafts: give "
                          "speculative= too")
+    from .speculative.adaptive import speculation_settings
+
+    adaptive_speculation, num_speculative_tokens = speculation_settings(speculative, adaptive_speculation,
+                                                                        num_speculative_tokens)
     if stage == "continuous":
         yield from _stream_engine(model, tokenizer, prompt_ids, params, result, speculative, num_speculative_tokens,
                                   kv_cache_dtype, enforce_eager, adaptive_speculation)
@@ -133,7 +139,7 @@ def stream(model, tokenizer, prompt_ids: list[int], params: SamplingParams | Non
 
 
 def _stream_engine(model, tokenizer, prompt_ids, params, result, speculative=None, k=4,
-                   kv_cache_dtype=None, enforce_eager=False, adaptive_speculation=False) -> Iterator[str]:
+                   kv_cache_dtype=None, enforce_eager=False, adaptive_speculation=None) -> Iterator[str]:
     """Stage 5 for one prompt: the serving engine with a pool just big enough for it."""
     from .engine import LLM
 
@@ -157,9 +163,9 @@ def _stream_engine(model, tokenizer, prompt_ids, params, result, speculative=Non
 
 
 def generate(model, tokenizer, prompt_ids: list[int], params: SamplingParams | None = None,
-             stage: str = "naive", speculative=None, num_speculative_tokens: int = 4, runner=None,
+             stage: str = "naive", speculative=None, num_speculative_tokens: int | None = None, runner=None,
              kv_cache_dtype: str | None = None, enforce_eager: bool = False,
-             adaptive_speculation: bool = False) -> Generation:
+             adaptive_speculation: bool | None = None) -> Generation:
     """Generate to the end and return the ids, text and timings (and, with `speculative`, its counters)."""
     out = Generation(prompt_tokens=len(prompt_ids))
     for _ in stream(model, tokenizer, prompt_ids, params, stage, result=out,

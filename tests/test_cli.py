@@ -33,13 +33,15 @@ def test_generate_streams_text(stage):
 def test_generate_speculative_json_reports_acceptance(stage):
     prompt = "Repeat exactly: one fish, two fish, red fish, blue fish."
     plain = json.loads(run("generate", prompt, "--chat", "--stage", "kv", "--max-tokens", "16", "--json").stdout)
+    fixed = stage == "continuous"                 # adaptive k by default; k every step when told
     r = run("generate", prompt, "--chat", "--stage", stage, "--max-tokens", "16", "--json",
-            "--speculative", "ngram", "--num-speculative-tokens", "3")
+            "--speculative", "ngram", "--num-speculative-tokens", "3", *(["--no-adaptive-speculation"] if fixed else []))
     assert r.returncode == 0, r.stderr
     out = json.loads(r.stdout)
     assert out["token_ids"] == plain["token_ids"]                      # greedy: the same tokens
     assert 0 < out["acceptance_rate"] <= 1 and out["mean_accepted_tokens"] > 0
     assert out["speculative"] == "ngram" and out["num_speculative_tokens"] == 3
+    assert out["adaptive_speculation"] is not fixed
 
 
 @pytest.mark.parametrize("args, message", [

@@ -83,7 +83,8 @@ def test_penalties_steer_greedy_in_the_engine_as_in_the_single_stream(model, tok
                             logit_bias={plain.token_ids[0]: -100})
     alone = generate(model, tokenizer, ids, params, stage="kv")
     assert alone.token_ids[0] != plain.token_ids[0]                    # the banned token is not chosen
-    engine = LLMEngine(model, tokenizer, kv_cache_memory=32 << 20, verbose=False, speculative="ngram")
+    engine = LLMEngine(model, tokenizer, kv_cache_memory=32 << 20, verbose=False, adaptive_speculation=False,
+                       speculative="ngram")
     out = run(engine, [ids], params)[0]                                # (a penalized request is not speculated)
     assert out.token_ids == alone.token_ids
     # the hand computation of the first token: the penalized logits' argmax

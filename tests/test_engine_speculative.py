@@ -44,7 +44,8 @@ def check(engine, finals, solo, skip=()):
 @pytest.mark.parametrize("k", [1, 3, 5, 8])
 @pytest.mark.parametrize("proposer", ["ngram", "layers:20"])
 def test_greedy_tokens_unchanged_under_staggered_arrivals(backend_model, tokenizer, prompts, solo, proposer, k):
-    engine = LLMEngine(backend_model, tokenizer, kv_cache_memory=32 << 20, speculative=proposer,
+    engine = LLMEngine(backend_model, tokenizer, kv_cache_memory=32 << 20, adaptive_speculation=False,
+                       speculative=proposer,
                        num_speculative_tokens=k, verbose=False)
     n, length = (5, 16) if proposer == "ngram" else (3, 8)      # the layer-skipping draft is slow on a CPU
     finals = run(engine, prompts[:n], SamplingParams(max_tokens=length, ignore_eos=True), arrive_every=2)
@@ -58,6 +59,7 @@ def test_greedy_tokens_unchanged_under_staggered_arrivals(backend_model, tokeniz
 def test_tiny_budget_and_preemption(model, tokenizer, prompts, solo):
     # 14 blocks of 4 tokens for five requests of 21-52 tokens: preemption; a budget of 6 tokens: chunking
     engine = LLMEngine(model, tokenizer, block_size=4, num_blocks=14, max_num_batched_tokens=6,
+                       adaptive_speculation=False,
                        speculative="ngram", num_speculative_tokens=4, verbose=False, enable_prefix_caching=False)
     seen = []
     schedule = engine.scheduler.schedule
@@ -98,13 +100,15 @@ def test_eos_in_a_draft_as_the_bonus_and_max_tokens_mid_run(model, tokenizer):
     junk = [tokenizer.im_end_id, 11, 12, 13, 14, 15, 16, 17, 18]
     for k, cont in [(8, ref.token_ids + junk),             # EOS accepted inside a draft, tokens after it dropped
                     (n - 1, ref.token_ids)]:               # drafts end before EOS: EOS is the bonus token
-        llm = LLM(model, tokenizer, kv_cache_memory=16 << 20, speculative=Oracle({tuple(q): cont}),
+        llm = LLM(model, tokenizer, kv_cache_memory=16 << 20, adaptive_speculation=False,
+                  speculative=Oracle({tuple(q): cont}),
                   num_speculative_tokens=k, verbose=False)
         [out] = llm.generate([q], params, use_tqdm=False)
         assert (out.token_ids, out.text, out.finish_reason) == (ref.token_ids, ref.text, "stop")
         assert llm.engine.stats()["spec_accepted_tokens"] > 0
     for max_tokens in (1, 2, 6):                             # max_tokens reached inside an accepted run
-        llm = LLM(model, tokenizer, kv_cache_memory=16 << 20, speculative=Oracle({tuple(q): ref.token_ids}),
+        llm = LLM(model, tokenizer, kv_cache_memory=16 << 20, adaptive_speculation=False,
+                  speculative=Oracle({tuple(q): ref.token_ids}),
                   num_speculative_tokens=5, verbose=False)
         [out] = llm.generate([q], SamplingParams(max_tokens=max_tokens), use_tqdm=False)
         assert out.token_ids == ref.token_ids[:max_tokens] and out.finish_reason == "length"
@@ -113,7 +117,8 @@ def test_eos_in_a_draft_as_the_bonus_and_max_tokens_mid_run(model, tokenizer):
 def test_prefix_cache_holds_only_accepted_tokens(model, tokenizer, prompts, solo):
     from minillm.kv.prefix_cache import chain_hashes
 
-    engine = LLMEngine(model, tokenizer, block_size=4, kv_cache_memory=16 << 20, speculative="ngram",
+    engine = LLMEngine(model, tokenizer, block_size=4, kv_cache_memory=16 << 20, adaptive_speculation=False,
+                       speculative="ngram",
                        num_speculative_tokens=5, verbose=False)
     first = run(engine, prompts[:1])[0]
     assert engine.stats()["spec_draft_tokens"] > engine.stats()["spec_accepted_tokens"] > 0   # some were rejected
@@ -129,15 +134,17 @@ def test_prefix_cache_holds_only_accepted_tokens(model, tokenizer, prompts, solo
 
 
 def test_abort_and_sampled_requests(model, tokenizer, prompts, solo):
-    engine = LLMEngine(model, tokenizer, kv_cache_memory=32 << 20, speculative="layers:20",
+    engine = LLMEngine(model, tokenizer, kv_cache_memory=32 << 20, adaptive_speculation=False, speculative="layers:20",
                        num_speculative_tokens=3, verbose=False, enable_prefix_caching=False)
     finals = run(engine, prompts, abort={2: 3})
     assert finals[2].finish_reason == "abort"
     check(engine, finals, solo, skip=(2,))
     sampled = SamplingParams(temperature=0.8, top_p=0.9, max_tokens=12, seed=7, ignore_eos=True)
-    a = run(LLMEngine(model, tokenizer, kv_cache_memory=32 << 20, speculative="layers:20", verbose=False),
+    a = run(LLMEngine(model, tokenizer, kv_cache_memory=32 << 20, adaptive_speculation=False,
+                      speculative="layers:20", verbose=False),
             prompts[:2], sampled)
-    b = run(LLMEngine(model, tokenizer, kv_cache_memory=32 << 20, speculative="layers:20", verbose=False),
+    b = run(LLMEngine(model, tokenizer, kv_cache_memory=32 << 20, adaptive_speculation=False,
+                      speculative="layers:20", verbose=False),
             prompts[:2], sampled)
     assert [a[i].token_ids for i in (0, 1)] == [b[i].token_ids for i in (0, 1)]
     assert all(len(a[i].token_ids) == 12 for i in (0, 1))
@@ -151,7 +158,8 @@ def test_bad_speculative_options(model, tokenizer):
                          ("ngram+layers:3", 3, "a cascade is"),
                          (DraftModelProposer(tiny_model()), 3, "vocabulary")]:
         with pytest.raises(ValueError, match=msg):
-            LLMEngine(model, tokenizer, kv_cache_memory=8 << 20, speculative=spec, num_speculative_tokens=k,
+            LLMEngine(model, tokenizer, kv_cache_memory=8 << 20, adaptive_speculation=False,
+                      speculative=spec, num_speculative_tokens=k,
                       verbose=False)
 
 
@@ -170,6 +178,17 @@ def test_adaptive_speculation_keeps_every_requests_greedy_tokens(backend_model, 
         LLMEngine(backend_model, tokenizer, num_blocks=8, adaptive_speculation=True, verbose=False)
 
 
+def test_a_proposer_alone_drafts_adaptively(backend_model, tokenizer):
+    """speculative= alone chooses 0..k drafts a step (a fixed k measured up to 2x slower than plain decoding
+    on a CPU where a pass over k + 1 tokens leaves the C loop: benchmarks/speculative.py); k every step only
+    when asked for."""
+    def make(**options):
+        return LLMEngine(backend_model, tokenizer, num_blocks=8, verbose=False, **options)
+    assert make(speculative="ngram").speculator.times is not None
+    assert make(speculative="ngram", adaptive_speculation=False).speculator.times is None
+    assert make().speculator is None and make(adaptive_speculation=False).speculator is None
+
+
 def draft_blocks_used(engine) -> int:
     kv = engine.speculator.draft.kv
     return kv.pool.num_blocks - kv.num_free_blocks
@@ -180,6 +199,7 @@ def test_quantized_draft_model_under_preemption_and_abort(model, tokenizer, prom
     preempt, chunked prompts and an abort; every other request keeps its solo greedy tokens, and both pools
     are whole at the end (preemption and abort free the draft's blocks with the target's)."""
     engine = LLMEngine(model, tokenizer, block_size=4, num_blocks=14, max_num_batched_tokens=6,
+                       adaptive_speculation=False,
                        speculative="draft:q4", num_speculative_tokens=3, verbose=False, enable_prefix_caching=False)
     finals = run(engine, prompts, arrive_every=1, abort={2: 6})
     assert finals[2].finish_reason == "abort"
@@ -194,7 +214,8 @@ def test_quantized_draft_model_under_preemption_and_abort(model, tokenizer, prom
 def test_draft_pool_prefix_cache_and_cascade(model, tokenizer, prompts, solo):
     """With prefix caching the draft pool keeps blocks of accepted tokens: the same prompt again finds them
     in both pools. 'ngram+draft:q4' looks up first and drafts with the model where the lookup finds nothing."""
-    engine = LLMEngine(model, tokenizer, block_size=4, kv_cache_memory=16 << 20, speculative="ngram+draft:q4",
+    engine = LLMEngine(model, tokenizer, block_size=4, kv_cache_memory=16 << 20, adaptive_speculation=False,
+                       speculative="ngram+draft:q4",
                        num_speculative_tokens=4, verbose=False)
     finals = run(engine, prompts[:3], arrive_every=1)
     check(engine, finals, solo[:3])
@@ -207,7 +228,8 @@ def test_draft_pool_prefix_cache_and_cascade(model, tokenizer, prompts, solo):
 
 def test_sampled_draft_model_requests_are_seeded(model, tokenizer, prompts):
     sampled = SamplingParams(temperature=0.8, top_p=0.9, max_tokens=12, seed=7, ignore_eos=True)
-    a, b = (run(LLMEngine(model, tokenizer, kv_cache_memory=16 << 20, speculative="draft:q4", verbose=False),
+    a, b = (run(LLMEngine(model, tokenizer, kv_cache_memory=16 << 20, adaptive_speculation=False,
+                          speculative="draft:q4", verbose=False),
                 prompts[:2], sampled) for _ in range(2))
     assert [a[i].token_ids for i in (0, 1)] == [b[i].token_ids for i in (0, 1)]
     assert all(len(a[i].token_ids) == 12 for i in (0, 1))

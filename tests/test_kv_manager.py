@@ -37,7 +37,8 @@ def test_only_the_kv_cache_manager_changes_the_pool(tokenizer, watched, caching)
     """Admission with cached prefixes, chunked prompts, preemption, forks (n > 1), drafts accepted and
     rolled back, aborts: every change to the pool comes from kv/manager.py."""
     engine = LLMEngine(tiny_model(), tokenizer, block_size=4, num_blocks=14, max_num_batched_tokens=10,
-                       enable_prefix_caching=caching, speculative="ngram", num_speculative_tokens=3, verbose=False)
+                       enable_prefix_caching=caching, adaptive_speculation=False,
+    speculative="ngram", num_speculative_tokens=3, verbose=False)
     shared = [7, 8, 9, 10, 11, 12, 13, 14, 15]
     engine.add_request("a", shared + [20, 21, 22, 7, 8, 9, 10], SamplingParams(max_tokens=12, ignore_eos=True))
     engine.add_request("b", shared + [30], SamplingParams(max_tokens=10, temperature=1.0, seed=1, ignore_eos=True),

@@ -48,7 +48,8 @@ def same_as_transformers(ref, ours, length=48, tok=None):
     for stage in ("naive", "kv", "paged"):
         assert generate(ours, tok, prompt, params, stage=stage).token_ids == theirs, stage
     # the engine: chunked prefill (8 tokens a step), prefix caching (the prompt twice), n-gram speculation
-    engine = LLMEngine(ours, tok, block_size=4, num_blocks=64, max_num_batched_tokens=8, speculative="ngram",
+    engine = LLMEngine(ours, tok, block_size=4, num_blocks=64, max_num_batched_tokens=8, adaptive_speculation=False,
+                       speculative="ngram",
                        num_speculative_tokens=3, verbose=False)
     for rid in ("a", "b"):
         engine.add_request(rid, prompt, params)

@@ -51,7 +51,7 @@ def test_greedy_output_is_unchanged(backend_model, tokenizer, refs, proposer, k)
     ids, ref = refs["passage"]                # on the torch backend; each backend must reproduce it
     spec = DraftModelProposer(backend_model) if proposer == "draft" else proposer
     g = generate(backend_model, tokenizer, ids, SamplingParams(max_tokens=40), stage="kv",
-                 speculative=spec, num_speculative_tokens=k)
+                 adaptive_speculation=False, speculative=spec, num_speculative_tokens=k)
     assert g.token_ids == ref.token_ids and g.text == ref.text and g.finish_reason == ref.finish_reason
     assert g.spec_drafts > 0 and g.spec_accepted_tokens <= g.spec_draft_tokens <= k * g.spec_drafts
     if proposer == "draft":                  # the draft is the model itself: every draft is accepted
@@ -69,15 +69,15 @@ def test_eos_inside_a_draft_and_as_the_bonus(model, tokenizer, refs):
     for k in (3, 5, 8):
         # drafts run past the end: EOS is accepted inside a draft and the tokens after it are dropped
         g = generate(model, tokenizer, ids, SamplingParams(max_tokens=40), stage="kv",
-                     speculative=Oracle(len(ids), cont), num_speculative_tokens=k)
+                     adaptive_speculation=False, speculative=Oracle(len(ids), cont), num_speculative_tokens=k)
         assert (g.token_ids, g.text, g.finish_reason) == (ref.token_ids, ref.text, "stop")
     # drafts that end just before EOS, all accepted: EOS comes as the bonus token
     g = generate(model, tokenizer, ids, SamplingParams(max_tokens=40), stage="kv",
-                 speculative=Oracle(len(ids), ref.token_ids), num_speculative_tokens=n - 1)
+                 adaptive_speculation=False, speculative=Oracle(len(ids), ref.token_ids), num_speculative_tokens=n - 1)
     assert (g.token_ids, g.finish_reason) == (ref.token_ids, "stop")
     # a wrong draft is corrected by the target
     g = generate(model, tokenizer, ids, SamplingParams(max_tokens=40), stage="kv",
-                 speculative=Oracle(len(ids), cont, wrong_at=2), num_speculative_tokens=4)
+                 adaptive_speculation=False, speculative=Oracle(len(ids), cont, wrong_at=2), num_speculative_tokens=4)
     assert g.token_ids == ref.token_ids and g.spec_accepted_tokens < g.spec_draft_tokens
 
 
@@ -85,7 +85,7 @@ def test_max_tokens_in_the_middle_of_an_accepted_run(model, tokenizer, refs):
     ids, ref = refs["passage"]
     for max_tokens in (1, 2, 7):
         g = generate(model, tokenizer, ids, SamplingParams(max_tokens=max_tokens), stage="kv",
-                     speculative=Oracle(len(ids), ref.token_ids), num_speculative_tokens=5)
+                     adaptive_speculation=False, speculative=Oracle(len(ids), ref.token_ids), num_speculative_tokens=5)
         assert g.token_ids == ref.token_ids[:max_tokens] and g.finish_reason == "length"
 
 
@@ -94,7 +94,7 @@ def test_stop_string_inside_an_accepted_run(model, tokenizer, refs):
     stop = ref.text[10:14]
     plain = generate(model, tokenizer, ids, SamplingParams(max_tokens=40, stop=[stop]), stage="kv")
     g = generate(model, tokenizer, ids, SamplingParams(max_tokens=40, stop=[stop]), stage="kv",
-                 speculative=Oracle(len(ids), ref.token_ids), num_speculative_tokens=8)
+                 adaptive_speculation=False, speculative=Oracle(len(ids), ref.token_ids), num_speculative_tokens=8)
     assert (g.text, g.finish_reason) == (plain.text, "stop")
 
 
@@ -103,15 +103,17 @@ def test_triton_stages(model, tokenizer, refs, stage):
     """The flash and paged stages (Triton kernels, interpreted on a CPU: slow, so a short run)."""
     ids, ref = refs["passage"]
     g = generate(model, tokenizer, ids, SamplingParams(max_tokens=6), stage=stage,
-                 speculative="ngram", num_speculative_tokens=3)
+                 adaptive_speculation=False, speculative="ngram", num_speculative_tokens=3)
     assert g.token_ids == ref.token_ids[:6] and g.spec_accepted_tokens > 0
 
 
 def test_sampled_speculation_is_seeded(model, tokenizer, refs):
     ids, _ = refs["question"]
     p = SamplingParams(temperature=0.8, top_p=0.95, max_tokens=16, seed=3)
-    a = generate(model, tokenizer, ids, p, stage="kv", speculative="layers:20", num_speculative_tokens=3)
-    b = generate(model, tokenizer, ids, p, stage="kv", speculative="layers:20", num_speculative_tokens=3)
+    a = generate(model, tokenizer, ids, p, stage="kv", adaptive_speculation=False,
+                 speculative="layers:20", num_speculative_tokens=3)
+    b = generate(model, tokenizer, ids, p, stage="kv", adaptive_speculation=False,
+                 speculative="layers:20", num_speculative_tokens=3)
     assert a.token_ids == b.token_ids and len(a.token_ids) > 0
 
 
@@ -153,7 +155,8 @@ def test_quantized_copy_drafts(model, tokenizer, refs, spec):
     answer, most drafts accepted (the copy agrees with the model on most tokens)."""
     for name in ("question", "passage"):
         ids, ref = refs[name]
-        g = generate(model, tokenizer, ids, SamplingParams(max_tokens=40), stage="kv", speculative=spec,
+        g = generate(model, tokenizer, ids, SamplingParams(max_tokens=40), stage="kv", adaptive_speculation=False,
+                     speculative=spec,
                      num_speculative_tokens=4)
         assert g.token_ids == ref.token_ids and g.text == ref.text
         assert g.acceptance_rate > 0.5
@@ -175,7 +178,7 @@ def test_bad_speculative_settings(model, tokenizer, refs):
                                 ("ngram", 3, "naive", "KV cache")]:
         with pytest.raises(ValueError, match=msg):
             generate(model, tokenizer, ids, SamplingParams(max_tokens=4), stage=stage,
-                     speculative=spec, num_speculative_tokens=k)
+                     adaptive_speculation=False, speculative=spec, num_speculative_tokens=k)
     assert NgramProposer().name == "ngram[1-4]" and LayerSkipProposer(3).name == "layers:3"
 
 
@@ -213,6 +216,18 @@ def test_adaptive_sampled_run_is_seeded(model, tokenizer, refs):
     a, b = (generate(model, tokenizer, ids, params, stage="kv", speculative="ngram", num_speculative_tokens=4,
                      adaptive_speculation=True) for _ in range(2))
     assert a.token_ids == b.token_ids
+
+
+def test_one_stream_drafts_adaptively_unless_told_otherwise(model, tokenizer, refs, monkeypatch):
+    import minillm.speculative.decode as decode
+    asked = []
+    real = decode.speculative_decode
+    monkeypatch.setattr(decode, "speculative_decode", lambda *a: asked.append(a[9]) or real(*a))
+    ids, _ = refs["question"]
+    for adaptive in (None, False, True):
+        generate(model, tokenizer, ids, SamplingParams(max_tokens=2), stage="kv", speculative="ngram",
+                 adaptive_speculation=adaptive)
+    assert asked == [True, False, True]
 
 
 def test_adaptive_speculation_needs_a_proposer(model, tokenizer, refs):

@@ -67,8 +67,12 @@ def check_speculative(args) -> None:
         fail(str(e))
     if args.stage == "naive":
         fail("--speculative needs a stage with a KV cache to roll back: kv, flash, paged or continuous")
-    if args.num_speculative_tokens < 1:
+    if args.num_speculative_tokens is not None and args.num_speculative_tokens < 1:
         fail(f"--num-speculative-tokens must be >= 1; got {args.num_speculative_tokens}")
+    from ..speculative.adaptive import speculation_settings
+
+    args.adaptive_speculation, args.num_speculative_tokens = speculation_settings(
+        args.speculative, args.adaptive_speculation, args.num_speculative_tokens)   # the defaults, said
 
 
 def check_quality(args, model, device, prompts: list[list[int]]) -> dict | None:

@@ -43,7 +43,8 @@ def cmd_generate(args) -> None:
         }))
     else:
         print()
-        extra = (f"; {args.speculative} k={args.num_speculative_tokens}: {result.acceptance_rate:.0%} of drafts "
+        k = f"k{'<=' if args.adaptive_speculation else '='}{args.num_speculative_tokens}"
+        extra = (f"; {args.speculative} {k}: {result.acceptance_rate:.0%} of drafts "
                  f"accepted, {result.mean_accepted_tokens:.2f} per pass" if spec else "")
         print(f"[{len(result.token_ids)} tokens, {result.finish_reason}; ttft {result.ttft_s * 1e3:.0f} ms, "
               f"decode {result.decode_tokens_per_s:.1f} tok/s, stage {result.stage}, {device}{extra}]", file=sys.stderr)

@@ -76,10 +76,12 @@ def _add_speculative_args(p):
                    help="speculative decoding (stages kv, flash, paged, continuous): n-gram prompt lookup, "
                         "the model's first N layers as the draft, the model's own quantized copy as the draft "
                         "(draft:int8, draft:q4, draft:q4_file), or n-gram first and the copy when it finds nothing")
-    p.add_argument("--num-speculative-tokens", type=int, default=4, metavar="K", help="drafts per step (default 4)")
-    p.add_argument("--adaptive-speculation", action="store_true",
+    p.add_argument("--num-speculative-tokens", type=int, default=None, metavar="K",
+                   help="the most drafts a step (default 8, or 4 with --no-adaptive-speculation)")
+    p.add_argument("--adaptive-speculation", action=argparse.BooleanOptionalAction, default=None,
                    help="each sequence drafts 0..K tokens a step, where its acceptance and the measured cost of "
-                        "the pass say it pays")
+                        "the pass say it pays (default: on with --speculative; --no-adaptive-speculation drafts "
+                        "K every step)")
 
 
 def build_parser() -> argparse.ArgumentParser:

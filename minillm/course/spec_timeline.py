@@ -53,9 +53,11 @@ class _Recording(Proposer):
 
 
 def record_passes(model, tok, prompt_ids: list[int], params, speculative="ngram", k: int = 4) -> list[Pass]:
-    """Generate with `speculative` drafting k tokens a pass (the kv stage, one stream); every target pass."""
+    """Generate with `speculative` drafting k tokens every pass (the kv stage, one stream, fixed k); every
+    target pass."""
     rec = _Recording(make_proposer(speculative))
-    out = generate(model, tok, prompt_ids, params, stage="kv", speculative=rec, num_speculative_tokens=k).token_ids
+    out = generate(model, tok, prompt_ids, params, stage="kv", speculative=rec, num_speculative_tokens=k,
+                   adaptive_speculation=False).token_ids
     return passes_from(out, {length - len(prompt_ids): drafts for length, drafts in rec.calls})
 
 

@@ -27,6 +27,7 @@ from ..kv.manager import KVCacheManager
 from ..kv.prefix_cache import PrefixCachingPool
 from ..kv.quantized import check_kv_dtype
 from ..sampling import SamplingParams, check_vocab, penalize, sample_next_token
+from ..speculative.adaptive import speculation_settings
 from ..structured import Constraint, allocate_bitmask, fill_bitmasks, mask_bias
 from .request import Request, RequestOutput
 from .runner import ModelRunner
@@ -52,8 +53,9 @@ class EngineConfig:
     attention: str = "auto"                 # "cpu" (C kernel), "torch" (gathered pages + SDPA), "triton"; auto: triton on a GPU, else cpu where it builds
     enable_prefix_caching: bool = True
     speculative: object = None              # a proposer: "ngram", "layers:N", "draft:q4", "ngram+draft:q4", a Proposer
-    num_speculative_tokens: int = 4
-    adaptive_speculation: bool = False      # each request drafts 0..k a step where it pays (speculative/adaptive.py)
+    num_speculative_tokens: int | None = None   # the most drafts a step: None is 8 adaptive, 4 fixed
+    adaptive_speculation: bool | None = None   # each request drafts 0..k a step where it pays (speculative/
+                                               # adaptive.py); None: on with a proposer, False: k every step
     kv_cache_dtype: str | None = None       # None (the model's dtype), "int8", "int4"
     enforce_eager: bool = False             # no CUDA graphs for decode steps (they are captured on a GPU only)
     verbose: bool = True                    # log the KV cache's size at INFO level
@@ -93,12 +95,11 @@ class LLMEngine:
         self.graph_capture_s = self._capture_decode_graphs() if self._graphs_apply() else None
         if c.adaptive_speculation and c.speculative is None:
             raise ValueError("adaptive_speculation chooses how many tokens a proposer drafts: give speculative=")
-        self.speculator = None if c.speculative is None else Speculator(c.speculative, self.runner,
-                                                                          c.num_speculative_tokens,
-                                                                          c.adaptive_speculation)
+        adaptive, k = speculation_settings(c.speculative, c.adaptive_speculation, c.num_speculative_tokens)
+        self.speculator = None if c.speculative is None else Speculator(c.speculative, self.runner, k, adaptive)
         self.scheduler = Scheduler(self.kv, c.max_num_seqs, c.max_num_batched_tokens, c.policy,
                                    c.enable_chunked_prefill, max_len=self.max_len,
-                                   num_speculative_tokens=c.num_speculative_tokens if self.speculator else 0,
+                                   num_speculative_tokens=k if self.speculator else 0,
                                    draft=self.speculator.draft if self.speculator else None)
         self.requests: dict[str, Request] = {}
         self._aborted: list[Request] = []
@@ -110,7 +111,8 @@ class LLMEngine:
             "per step; prefix caching %s; speculative decoding %s", num_blocks, c.block_size, self.capacity_tokens,
             num_blocks * block_bytes / 2**20, kv_dtype or str(model.dtype).removeprefix("torch."), c.policy,
             c.max_num_batched_tokens, c.max_num_seqs, "on" if c.enable_prefix_caching else "off",
-            f"{self.speculator.proposer.name}, k={c.num_speculative_tokens}" if self.speculator else "off")
+            f"{self.speculator.proposer.name}, k{'<=' if adaptive else '='}{k}"
+            if self.speculator else "off")
 
     def _graphs_apply(self) -> bool:
         """CUDA graphs for decode steps: on a GPU, with the Triton kernels and a float KV cache, unless

@@ -32,6 +32,21 @@ from .verify import expected_tokens_per_step
 
 _MEASURED: "weakref.WeakKeyDictionary" = weakref.WeakKeyDictionary()     # model -> {(stage, T): seconds}
 
+# A proposer given alone drafts adaptively, up to K_ADAPTIVE tokens a step; asked for fixed k, it drafts
+# K_FIXED every step. Measured (benchmarks/speculative.py --adaptive, one stream, four task types): fixed
+# k = 4 lost speed on every task where a pass over 5 tokens falls off the native backend's C loop, and
+# adaptive k <= 8 came out no worse than fixed k on any task with PyTorch's layers, where k <= 4 did.
+K_ADAPTIVE, K_FIXED = 8, 4
+
+
+def speculation_settings(speculative, adaptive: bool | None, k: int | None) -> tuple[bool, int | None]:
+    """(adaptive, k) for `speculative` as asked: adaptive unless adaptive is False; k as given, else
+    K_ADAPTIVE or K_FIXED. No proposer: (False, None)."""
+    if speculative is None:
+        return False, None
+    adaptive = adaptive is not False
+    return adaptive, k if k is not None else K_ADAPTIVE if adaptive else K_FIXED
+
 
 class AdaptiveK:
     def __init__(self, k: int, pass_cost: dict[int, float], draft_cost: float = 0.0, prior: float = 0.5,
