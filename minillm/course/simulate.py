@@ -78,11 +78,18 @@ def simulate(prompt_lens: list[int], output_lens: list[int], arrival_steps: list
 def decode_step_times(model, tokenizer, batch: int, context: int = 100, steps: int = 8) -> list[float]:
     """Seconds of each of `steps` engine steps in which `batch` requests (prompts of `context` tokens) each
     decode one token."""
-    engine = LLMEngine(model, tokenizer, kv_cache_memory=256 << 20, verbose=False)
+    block = 16
+    engine = LLMEngine(model, tokenizer, block_size=block, max_num_seqs=max(batch, 1), verbose=False,
+                       num_blocks=batch * -(-(context + steps + 4) // block),   # room for all of them at once,
+                       max_num_batched_tokens=max(512, batch * context))      # and their prompts in one step
     for i in range(batch):
         engine.add_request(i, [1000 + i] * context, SamplingParams(max_tokens=steps + 4, ignore_eos=True))
-    while engine.stats()["tokens_last_step"] != batch:      # until every prompt is done
+    for _ in range(batch * context + 1):                    # until every prompt is done
         engine.step()
+        if engine.stats()["tokens_last_step"] == batch:
+            break
+    else:
+        raise RuntimeError(f"{batch} requests never decoded in one step")
     times = []
     for _ in range(steps):
         t0 = time.perf_counter()
