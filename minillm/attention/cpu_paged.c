@@ -38,6 +38,40 @@ static inline vec exp_nonpositive(vec x) {
     return p * scale;
 }
 
+/* VL vectors in, one out: lane j is the sum of d[j]'s lanes. Each round adds the two halves of every pair of
+   vectors, side by side (VL - 1 vector additions in all, with their shuffles), where summing each vector
+   alone is VL dependent scalar additions; the kernel read 1.1-1.4x faster for it. The sums come in another
+   order than one by one: equal to rounding. AVX-512 and AVX2; other CPUs sum one vector at a time. */
+#define SH(a, b, ...) __builtin_shufflevector(a, b, __VA_ARGS__)
+#if VL == 16
+#define SUM_EACH 1
+static inline vec sum_each(const vec d[16]) {
+    vec e[8], f[4], h[2];
+    for (int k = 0; k < 8; k++)      /* lanes 0-7: d[2k]'s halves added, 8-15: d[2k + 1]'s */
+        e[k] = SH(d[2 * k], d[2 * k + 1], 0, 1, 2, 3, 4, 5, 6, 7, 16, 17, 18, 19, 20, 21, 22, 23)
+             + SH(d[2 * k], d[2 * k + 1], 8, 9, 10, 11, 12, 13, 14, 15, 24, 25, 26, 27, 28, 29, 30, 31);
+    for (int k = 0; k < 4; k++)      /* four lanes each for d[4k .. 4k + 3] */
+        f[k] = SH(e[2 * k], e[2 * k + 1], 0, 1, 2, 3, 8, 9, 10, 11, 16, 17, 18, 19, 24, 25, 26, 27)
+             + SH(e[2 * k], e[2 * k + 1], 4, 5, 6, 7, 12, 13, 14, 15, 20, 21, 22, 23, 28, 29, 30, 31);
+    for (int k = 0; k < 2; k++)      /* two lanes each for d[8k .. 8k + 7] */
+        h[k] = SH(f[2 * k], f[2 * k + 1], 0, 1, 4, 5, 8, 9, 12, 13, 16, 17, 20, 21, 24, 25, 28, 29)
+             + SH(f[2 * k], f[2 * k + 1], 2, 3, 6, 7, 10, 11, 14, 15, 18, 19, 22, 23, 26, 27, 30, 31);
+    return SH(h[0], h[1], 0, 2, 4, 6, 8, 10, 12, 14, 16, 18, 20, 22, 24, 26, 28, 30)
+         + SH(h[0], h[1], 1, 3, 5, 7, 9, 11, 13, 15, 17, 19, 21, 23, 25, 27, 29, 31);
+}
+#elif VL == 8
+#define SUM_EACH 1
+static inline vec sum_each(const vec d[8]) {
+    vec e[4], f[2];
+    for (int k = 0; k < 4; k++)      /* lanes 0-3: d[2k]'s halves added, 4-7: d[2k + 1]'s */
+        e[k] = SH(d[2 * k], d[2 * k + 1], 0, 1, 2, 3, 8, 9, 10, 11) + SH(d[2 * k], d[2 * k + 1], 4, 5, 6, 7, 12, 13, 14, 15);
+    for (int k = 0; k < 2; k++)      /* two lanes each for d[4k .. 4k + 3] */
+        f[k] = SH(e[2 * k], e[2 * k + 1], 0, 1, 4, 5, 8, 9, 12, 13) + SH(e[2 * k], e[2 * k + 1], 2, 3, 6, 7, 10, 11, 14, 15);
+    return SH(f[0], f[1], 0, 2, 4, 6, 8, 10, 12, 14) + SH(f[0], f[1], 1, 3, 5, 7, 9, 11, 13, 15);
+}
+#endif
+#undef SH
+
 /* One request, one KV head: its query heads g0 .. g0 + G - 1 (of Gall per KV head) over its len keys.
    G and DV are constants where the caller dispatches on them (always inlined), so q and acc stay in
    registers. */
@@ -68,12 +102,32 @@ attend_one(const char *q, int64_t sq_n, int64_t sq_h, const char *k, const char 
         }
         for (int t = t0 + TILE; t < len && t < t0 + 2 * TILE; t++) {   /* ask for the next tile's rows now */
             int64_t at = ((int64_t)table[t / bs] * bs + t % bs) * row_stride + (int64_t)h * DV * VL;
-            for (int c = 0; c < DV * VL * esize; c += 64) {
-                __builtin_prefetch(k + at * esize + c);
-                __builtin_prefetch(v + at * esize + c);
+            for (int c = 0; c < DV * VL * esize; c += 64) {      /* into L2 (locality 2): into L1, the */
+                __builtin_prefetch(k + at * esize + c, 0, 2);    /* requests wait for L1's few miss slots, */
+                __builtin_prefetch(v + at * esize + c, 0, 2);    /* and the kernel read 1.45x slower */
             }
         }
         vec s[MAX_G];                                            /* scores, lane j = key t0 + j */
+#ifdef SUM_EACH
+        vec dots[MAX_G][TILE];                                   /* q . k lane by lane, summed below */
+        for (int j = 0; j < TILE; j++) {                         /* each key loaded once for all G */
+            if (j >= n) {
+                for (int g = 0; g < G; g++) dots[g][j] = splat(0.0f);
+                continue;
+            }
+            vec kj[MAX_DV];
+            for (int c = 0; c < DV; c++) kj[c] = load_vec(kr[j] + c * VL * esize, bf16);
+            for (int g = 0; g < G; g++) {
+                vec d = qv[g][0] * kj[0];
+                for (int c = 1; c < DV; c++) d += qv[g][c] * kj[c];
+                dots[g][j] = d;
+            }
+        }
+        for (int g = 0; g < G; g++) {
+            s[g] = sum_each(dots[g]);
+            for (int j = n; j < TILE; j++) s[g][j] = -INFINITY;
+        }
+#else
         for (int g = 0; g < G; g++) s[g] = splat(-INFINITY);
         for (int j = 0; j < n; j++) {                            /* s = q . k, each key loaded once */
             vec kj[MAX_DV];
@@ -84,6 +138,7 @@ attend_one(const char *q, int64_t sq_n, int64_t sq_h, const char *k, const char 
                 s[g][j] = hsum(d);
             }
         }
+#endif
         vec p[MAX_G];
         for (int g = 0; g < G; g++) {                            /* the online softmax, one tile */
             float mx = m[g];
