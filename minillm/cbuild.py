@@ -79,7 +79,10 @@ def sources_hash() -> str:
 
 
 def build_key(source: Path, cc: str, flags: list[str]) -> str:
-    parts = [source.name, sources_hash(), cc, compiler_version(cc), " ".join(flags), cpu_key()]
+    """The key of a build: the source itself (a file of the same name elsewhere, say an older version of a
+    kernel built to race it, is another build), the package's C files, the compiler, the flags, the CPU."""
+    own = hashlib.sha256(source.read_bytes()).hexdigest()[:16]
+    parts = [source.name, own, sources_hash(), cc, compiler_version(cc), " ".join(flags), cpu_key()]
     return hashlib.sha256("\0".join(parts).encode()).hexdigest()[:16]
 
 

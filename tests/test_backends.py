@@ -213,6 +213,18 @@ def test_a_corrupt_cached_library_is_built_again(fresh_build):
         built.call("add", a=2)
 
 
+@pytest.mark.skipif(not cbuild.compilers(), reason="no C compiler here")
+def test_two_sources_of_one_name_are_two_builds(fresh_build, tmp_path):
+    """An older version of a kernel, built beside the current one to race it, is its own build."""
+    other = tmp_path / "older" / "add.c"
+    other.parent.mkdir()
+    other.write_text(C_SOURCE.replace("a + b", "a + b + 1"))
+    now, before = cbuild.load(fresh_build, SIGS), cbuild.load(other, SIGS)
+    if now is None or before is None:
+        pytest.skip("the compiler here builds nothing")
+    assert (now.call("add", a=2, b=3), before.call("add", a=2, b=3)) == (5, 6)
+
+
 def test_the_build_key_names_the_cpu():
     key = cbuild.cpu_key()
     assert torch.cpu.get_capabilities()["architecture"] in key or key.split()[0]
