@@ -37,7 +37,7 @@ import torch.nn.functional as F
 from torch.nn.attention.flex_attention import BlockMask, flex_attention
 
 from minillm.attention.paged_torch import gather_pages, paged_attention
-from minillm.course.bench import machine_info
+from minillm.course.bench import machine_info, provenance
 from minillm.course.paged_case import BLOCK, D, H, H_KV, decode_plans, make_case, reference
 
 CASES = [(64, 200), (16, 1000)]          # (requests, mean context): a busy step, and fewer longer ones
@@ -148,7 +148,7 @@ def main() -> None:
         cases.append(run_case(n, context, pool, args.rounds))
         print(f"{n} requests x ~{context}, {cases[-1]['pool_blocks']} pages: " + ", ".join(f"{k} {v['median_ms'] or float('nan'):.2f} ms"
                                                          for k, v in cases[-1]["variants"].items()), file=sys.stderr)
-    print(json.dumps({"machine": machine_info(), "heads": [H, H_KV, D], "block_size": BLOCK, "rounds": args.rounds,
+    print(json.dumps({"machine": machine_info(), **provenance(), "heads": [H, H_KV, D], "block_size": BLOCK, "rounds": args.rounds,
                       "cases": cases}, indent=1))
 
 
