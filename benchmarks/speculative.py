@@ -30,6 +30,9 @@ DRAFT = [("ngram", 4), ("draft:q4", 3), ("draft:q4", 5), ("draft:int8", 4), ("ng
          ("draft:q4", 6, "adaptive")]
 
 ENGINE = [(None, 0), ("ngram", 4), ("ngram", 4, "adaptive"), ("ngram", 8, "adaptive")]
+# --engine-only: plain, fixed k, and adaptive k <= 8 as it runs and with a probe every 4 plain steps whatever
+# the drafts did (MAX_WAIT = 4: how adaptive speculation probed before the waits between probes grew)
+ENGINE_PROBES = [(None, 0), ("ngram", 4), ("ngram", 8, "adaptive", "probe every 4"), ("ngram", 8, "adaptive")]
 ENGINE_DRAFT = [(None, 0), ("draft:q4", 4), ("ngram+draft:q4", 4), ("draft:q4", 4, "adaptive")]
 
 
@@ -41,6 +44,7 @@ def engine_runs(model, tok, tasks, batches: list[int], max_tokens: int, repeats:
 
     from minillm import LLM
     from minillm.sampling import SamplingParams
+    from minillm.speculative import adaptive
 
     prompts = [tok.apply_chat_template([{"role": "user", "content": t["prompt"]}]) for t in tasks]
     params = SamplingParams(max_tokens=max_tokens)
@@ -51,12 +55,19 @@ def engine_runs(model, tok, tasks, batches: list[int], max_tokens: int, repeats:
                    for i, (spec, k, *mode) in enumerate(systems)}
         rates: dict[int, list[float]] = {i: [] for i in engines}
         ids: dict[int, list] = {}
+        waits = {i: 4 if "probe every 4" in mode else adaptive.MAX_WAIT for i, (_, _, *mode) in enumerate(systems)}
+        kept = adaptive.MAX_WAIT
+        for i, llm in engines.items():                 # warm-up, not timed: kernels chosen, step times seen
+            adaptive.MAX_WAIT = waits[i]
+            llm.generate(prompts, SamplingParams(max_tokens=32), use_tqdm=False)
         for _ in range(repeats):
             for i, llm in engines.items():
+                adaptive.MAX_WAIT = waits[i]
                 t0 = time.perf_counter()
                 outs = llm.generate(prompts, params, use_tqdm=False)
                 rates[i].append(sum(len(o.token_ids) for o in outs) / (time.perf_counter() - t0))
                 ids[i] = [o.token_ids for o in outs]
+        adaptive.MAX_WAIT = kept
         base = statistics.median(rates[0])
         for i, (spec, k, *mode) in enumerate(systems):
             stats = engines[i].engine.stats()
@@ -83,6 +94,9 @@ def main():
     ap.add_argument("--engine", default=None, metavar="B,B,...",
                     help="with --adaptive or --draft: also the serving engine over all the prompts at these "
                          "max_num_seqs")
+    ap.add_argument("--engine-only", action="store_true",
+                    help="with --engine: only the engine runs (plain, fixed k, adaptive k with and without growing "
+                         "waits between probes), no single-stream tasks")
     ap.add_argument("--backend", default="torch", choices=("torch", "native", "auto"),
                     help="the model's layers: plain PyTorch (default, as notebook 10 runs) or the native backend's, "
                          "as the command line runs them (one stream as `generate` does; the engine with its float "
@@ -103,11 +117,15 @@ def main():
     if args.per_task:
         tasks = [t for i, t in enumerate(tasks) if [u["task"] for u in tasks[:i]].count(t["task"]) < args.per_task]
     configs = DRAFT if args.draft else ADAPTIVE if args.adaptive else CONFIGS
+    if args.engine_only and not args.engine:
+        ap.error("--engine-only needs --engine B,B,...")
     costs = pass_costs(model)
     c = {n: draft_cost(model, n) for n in ((15, 24) if not args.draft else ("q4", "int8"))}
-    rows = run_tasks(model, tok, tasks, configs, max_tokens=args.max_tokens, repeats=args.repeats)
+    rows = [] if args.engine_only else run_tasks(model, tok, tasks, configs, max_tokens=args.max_tokens,
+                                                 repeats=args.repeats)
+    systems = ENGINE_PROBES if args.engine_only else ENGINE_DRAFT if args.draft else ENGINE
     engine = engine_runs(served, tok, tasks, [int(b) for b in args.engine.split(",")], args.max_tokens,
-                         args.repeats, ENGINE_DRAFT if args.draft else ENGINE) if args.engine else None
+                         args.repeats, systems) if args.engine else None
     info = machine_info()
     result = {"machine": info["cpu"], **provenance(), "gpu": info["gpu"], "torch": info["torch"],
               "threads": info["threads"], "backend": args.backend,

@@ -110,7 +110,7 @@ def test_predicted_speedup():
 
 
 def test_adaptive_k_drafts_only_where_it_pays():
-    from minillm.speculative.adaptive import AdaptiveK
+    from minillm.speculative.adaptive import MAX_WAIT, AdaptiveK
 
     cpu = {1: 1.0, 2: 1.6, 3: 1.8, 4: 1.2, 5: 1.2}          # as measured on one CPU: 2-3 rows cost more than 4
     ctl = AdaptiveK(4, cpu, prior=0.5)
@@ -121,9 +121,11 @@ def test_adaptive_k_drafts_only_where_it_pays():
     for _ in range(6):
         ctl.update(4, 0)                                      # every first draft rejected
     assert ctl.alpha < 0.1 and ctl.choose() == 0
-    steps = [ctl.choose() for _ in range(8)]                  # plain steps, and a probe every 4th
-    assert steps.count(0) == 6 and ctl.probing is False and max(steps) == 4
-    ctl.update(4, 4)
+    assert ctl.wait == MAX_WAIT                               # each failure doubled the wait for a probe
+    steps = [ctl.choose() for _ in range(40)]                 # plain steps, then one probe
+    assert steps.count(0) == 39 and steps.index(4) == MAX_WAIT - 2 and ctl.probing is False   # (1 plain above)
+    ctl.update(4, 4)                                          # it copies now: probes come soon again
+    assert ctl.wait == 4
     ctl.update(4, 4)
     assert ctl.alpha > 0.5 and ctl.choose() == 4
     costly = AdaptiveK(3, {1: 1.0, 2: 1.5, 3: 1.8, 4: 1.2}, draft_cost=0.8, prior=0.0)

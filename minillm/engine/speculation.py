@@ -100,7 +100,7 @@ class Speculator:
             if req.spec_control is None:
                 req.spec_control = AdaptiveK(self.k, {T: 1.0 for T in range(1, self.k + 2)}, self._draft_cost)
             ctl = req.spec_control
-            alphas.append(ctl.hope if ctl.plain_steps >= ctl.probe_every else ctl.alpha)
+            alphas.append(ctl.hope if ctl.probe_due else ctl.alpha)
         chosen = choose_batch(alphas, [s for _, _, s in todo], tokens, len(batch.requests), self.k, self.times,
                               self._draft_cost)
         drafting = []

@@ -8,8 +8,11 @@ steps. So the sequence asks for the j that maximizes
 
 with a estimated from its own recent drafts. On a CPU a 4-token pass costs about 1.5 plain steps, so
 drafting pays only where a is high (the answer copies its input); elsewhere j = 0 wins and the sequence
-decodes plainly. Every few plain steps it drafts again (a probe), so a sequence that starts copying is
-noticed. The costs are measured, not assumed: on some CPUs a pass over 2 or 3 tokens costs more than one
+decodes plainly. After a few plain steps it drafts again (a probe), so a sequence that starts copying is
+noticed; each step whose drafts mostly fail doubles the wait before the next probe (up to MAX_WAIT plain
+steps), and one that mostly succeeds sets it back. In a batch a probe makes every sequence's step dearer:
+probing every few steps, the drafts of requests that never copy cost a busy engine more than the copying
+ones gained. The costs are measured, not assumed: on some CPUs a pass over 2 or 3 tokens costs more than one
 over 4 (the matrix library picks another kernel for so few rows), and the choice follows. Which j is chosen never changes what is emitted: each step's verification is exact
 given the tokens before it, whatever the number of drafts.
 
@@ -37,6 +40,7 @@ _MEASURED: "weakref.WeakKeyDictionary" = weakref.WeakKeyDictionary()     # model
 # k = 4 lost speed on every task where a pass over 5 tokens falls off the native backend's C loop, and
 # adaptive k <= 8 came out no worse than fixed k on any task with PyTorch's layers, where k <= 4 did.
 K_ADAPTIVE, K_FIXED = 8, 4
+MAX_WAIT = 32            # the most plain steps between two probes of a sequence whose drafts keep failing
 
 
 def speculation_settings(speculative, adaptive: bool | None, k: int | None) -> tuple[bool, int | None]:
@@ -66,11 +70,17 @@ class AdaptiveK:
         self.cost = {T: float(pass_cost[T]) for T in range(1, k + 2)}
         self.prior, self.hope = prior, hope
         self.accepted, self.tried = prior, 1.0         # discounted counts: alpha = accepted / tried
+        self.wait = probe_every                         # plain steps before the next probe
         self.plain_steps, self.probing, self.batch = probe_every, False, 1   # the first step probes
 
     @property
     def alpha(self) -> float:
         return self.accepted / self.tried
+
+    @property
+    def probe_due(self) -> bool:
+        """Whether the sequence has decoded plainly long enough to draft once more at the hoped-for alpha."""
+        return self.plain_steps >= self.wait
 
     def rate(self, j: int, alpha: float | None = None) -> float:
         """Expected tokens per unit of time when drafting j tokens (at the current alpha, or this one). In a
@@ -93,7 +103,7 @@ class AdaptiveK:
         if best == 0 and top > 0:
             self.plain_steps += 1
             probe = max(range(1, top + 1), key=lambda j: self.rate(j, self.hope))
-            if self.plain_steps >= self.probe_every and self.rate(probe, self.hope) > self.rate(0):
+            if self.probe_due and self.rate(probe, self.hope) > self.rate(0):
                 self.plain_steps, self.probing = 0, True          # (never, where even `hope` would not pay)
                 return probe
         return best
@@ -114,10 +124,12 @@ class AdaptiveK:
 
     def update(self, drafted: int, accepted: int) -> None:
         """After a verification: of `drafted` drafts, the first `accepted` were kept. Each draft up to the
-        first rejection was a trial of alpha (a draft after a rejection was never judged)."""
+        first rejection was a trial of alpha (a draft after a rejection was never judged). Fewer than half
+        accepted doubles the wait before the next probe (up to MAX_WAIT); half or more sets it back."""
         if drafted <= 0:
             return
         self.plain_steps = 0
+        self.wait = min(2 * self.wait, MAX_WAIT) if 2 * accepted < drafted else self.probe_every
         trials = min(accepted + 1, drafted)
         self.accepted = self.memory * self.accepted + accepted
         self.tried = self.memory * self.tried + trials
