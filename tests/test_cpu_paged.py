@@ -43,6 +43,20 @@ def test_kernel_on_fresh_ragged_batches(seed):
     assert (out.double() - reference(case, q, ks, vs)).abs().max().item() < 1e-5
 
 
+def test_short_chunks_are_read_in_place_and_long_ones_gathered():
+    """A speculative step's chunks (the sampled token and its drafts) go to the kernel, one decode per query,
+    each seeing the keys up to its own position; a chunk of more than IN_PLACE_QUERIES queries is gathered
+    for SDPA. Both against the float64 reference."""
+    case = [(1, 40), (5, 45), (16, 16), (17, 30), (9, 200), (40, 70), (2, 2)]
+    pool, q, ks, vs, tables = make_batch(case, 9, 3, 64, 16, torch.float32, seed=11)
+    plan = in_place(case, pool, tables, 16)
+    rows, _, lens = plan.in_place
+    assert len(rows) == 1 + 5 + 16 + 9 + 2 and [n for _, n, _, _ in plan.chunks] == [17, 40]
+    assert lens[1:6].tolist() == [41, 42, 43, 44, 45]                        # query t of 5 over 45 keys
+    out = paged_attention(q.float(), pool.k[0], pool.v[0], plan)
+    assert (out.double() - reference(case, q, ks, vs)).abs().max().item() < 1e-5
+
+
 @pytest.mark.parametrize("case", CASES[1:])
 def test_bfloat16_pages(case):
     """bfloat16 pages widened to float32 in the kernel: within bfloat16's rounding of the output."""
