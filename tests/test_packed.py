@@ -128,3 +128,23 @@ def test_weights_of_a_dtype_this_cpu_cannot_pack_stay_plain(monkeypatch):
     assert ("64 rows: packed" in said) == packed.packs(torch.bfloat16)
     x = torch.randn(16, 64, dtype=torch.bfloat16)
     torch.testing.assert_close(m.layers[0].attn.wqkv(x), F.linear(x, plain.layers[0].attn.wqkv.weight))
+
+
+@needs_onednn
+def test_a_model_prepared_with_packed_weights_is_served_as_prepared(tokenizer):
+    """LLM and apply_backend with no word on packing keep a model prepared for the backend as it is: a
+    packed model given to LLM stays packed (it was prepared again, unpacked, and its big steps went to
+    F.linear); asked for packing explicitly, as asked."""
+    from minillm import LLM
+
+    torch.manual_seed(0)
+    plain = Transformer(ModelConfig(n_layers=1, d_model=64, n_heads=4, n_kv_heads=2, head_dim=16, ffn_dim=96,
+                                    vocab_size=tokenizer.vocab_size)).eval().requires_grad_(False)
+    fast = apply_backend(plain, "native", pack_weights=True)
+    pack_all(fast)
+    llm = LLM(fast, tokenizer, kv_cache_memory=16 << 20, verbose=False)
+    assert llm.model is fast and all(layer.packing is not None for layer in float_layers(llm.model))
+    assert apply_backend(fast, "native") is fast and apply_backend(fast, "auto") is fast
+    unpacked = apply_backend(fast, "native", pack_weights=False)
+    assert unpacked is not fast and all(layer.packing is None for layer in float_layers(unpacked))
+    assert LLM(plain, tokenizer, kv_cache_memory=16 << 20, verbose=False).model.backend_report["pack_weights"] is False

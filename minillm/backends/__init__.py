@@ -40,21 +40,22 @@ def resolve(backend: str, model) -> str:
     return backend
 
 
-def apply_backend(model, backend: str = "auto", *, pack_weights: bool = False, remember: bool = True):
+def apply_backend(model, backend: str = "auto", *, pack_weights: bool | None = None, remember: bool = True):
     """The model prepared for `backend` ("auto", "torch", "native"): the plain model itself for torch, else a
-    copy of its modules with faster layers (see the module's docstring). A prepared model is prepared again
-    from its plain one. pack_weights: for native, a second copy of the float weights in oneDNN's layout for
-    big steps, where it measures faster. remember=False: measure the races again instead of reading them
-    from disk."""
+    copy of its modules with faster layers (see the module's docstring). pack_weights: for native, a second
+    copy of the float weights in oneDNN's layout for big steps, where it measures faster (True), or not
+    (False); None: a model already prepared for this backend stays as it is, a plain one is not packed. A
+    prepared model asked for another backend or packing is prepared again from its plain one.
+    remember=False: measure the races again instead of reading them from disk."""
     base = plain_model(model)
     backend = resolve(backend, base)
     if backend == "torch":
         return base
-    if backend_of(model) == backend and model.backend_report.get("pack_weights") == pack_weights:
+    if backend_of(model) == backend and pack_weights in (None, model.backend_report.get("pack_weights")):
         return model
     from .native import prepare
 
-    return prepare(base, pack_weights=pack_weights, remember=remember)
+    return prepare(base, pack_weights=bool(pack_weights), remember=remember)
 
 
 def report(model) -> dict:

@@ -20,7 +20,7 @@ from .request import RequestOutput
 
 
 class LLM:
-    def __init__(self, model=None, tokenizer=None, device=None, backend: str = "auto", pack_weights: bool = False,
+    def __init__(self, model=None, tokenizer=None, device=None, backend: str = "auto", pack_weights: bool | None = None,
                  **engine_options):
         """model: None (the course model), a .gguf path or Hugging Face folder, or a loaded Transformer.
         device: where a model loaded from a path runs (default: the GPU when there is one); a loaded
@@ -29,7 +29,9 @@ class LLM:
             of the model's modules: a model given here stays as it was. `self.model` is the prepared one;
             `describe(llm.model)` says which kernels it got.
         pack_weights: with the native backend, a second copy of the float weights in oneDNN's layout for big
-            steps, where it measures faster.
+            steps, where it measures faster (True), or not (False); None: a model already prepared for the
+            backend runs as it was prepared (`apply_backend(model, "native", pack_weights=True)` stays packed),
+            a plain one unpacked.
         engine_options: LLMEngine's (max_num_seqs, max_num_batched_tokens, kv_cache_memory, policy, ...)."""
         from ..loading import load_model, load_tokenizer
         from ..backends import apply_backend
