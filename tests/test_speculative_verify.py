@@ -120,10 +120,16 @@ def test_adaptive_k_drafts_only_where_it_pays():
     assert ctl.keep(2) == 0 and ctl.keep(3) == 3              # fewer found: verify only if that pays
     for _ in range(6):
         ctl.update(4, 0)                                      # every first draft rejected
-    assert ctl.alpha < 0.1 and ctl.choose() == 0
-    assert ctl.wait == MAX_WAIT                               # each failure doubled the wait for a probe
-    steps = [ctl.choose() for _ in range(40)]                 # plain steps, then one probe
-    assert steps.count(0) == 39 and steps.index(4) == MAX_WAIT - 2 and ctl.probing is False   # (1 plain above)
+    assert ctl.alpha < 0.1 and ctl.choose() == 0 and ctl.wait == 4   # failed drafts, but no probe yet
+    gaps = []
+    for _ in range(5):                                        # a probe after plain steps; each one fails
+        n = 1
+        while ctl.choose() == 0:
+            n += 1
+        assert ctl.probing
+        gaps.append(n)
+        ctl.update(4, 0)
+    assert gaps == [3, 8, 16, MAX_WAIT, MAX_WAIT]             # (one plain step above): the wait doubles
     ctl.update(4, 4)                                          # it copies now: probes come soon again
     assert ctl.wait == 4
     ctl.update(4, 4)

@@ -95,18 +95,20 @@ class Speculator:
         are given back as plain one-token rows). A request that has decoded plainly for a while is weighed
         at the acceptance hoped for (a probe: is it copying now?)."""
         tokens = batch.total_tokens - sum(s for _, _, s in todo)        # the step without drafts
-        alphas = []
+        alphas, due = [], []
         for _, req, _ in todo:
             if req.spec_control is None:
                 req.spec_control = AdaptiveK(self.k, {T: 1.0 for T in range(1, self.k + 2)}, self._draft_cost)
             ctl = req.spec_control
-            alphas.append(ctl.hope if ctl.probe_due else ctl.alpha)
+            due.append(ctl.probe_due)
+            alphas.append(ctl.hope if due[-1] else ctl.alpha)
         chosen = choose_batch(alphas, [s for _, _, s in todo], tokens, len(batch.requests), self.k, self.times,
                               self._draft_cost)
         drafting = []
-        for (i, req, _), j in zip(todo, chosen):
+        for (i, req, _), j, probe in zip(todo, chosen, due):
             batch.set_drafts(i, j)
             req.spec_token_ids, req.spec_probs = [], None
+            req.spec_control.probing = bool(j) and probe              # (a failed probe waits longer)
             if j:
                 drafting.append((i, req, j))
             else:

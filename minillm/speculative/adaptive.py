@@ -9,8 +9,8 @@ steps. So the sequence asks for the j that maximizes
 with a estimated from its own recent drafts. On a CPU a 4-token pass costs about 1.5 plain steps, so
 drafting pays only where a is high (the answer copies its input); elsewhere j = 0 wins and the sequence
 decodes plainly. After a few plain steps it drafts again (a probe), so a sequence that starts copying is
-noticed; each step whose drafts mostly fail doubles the wait before the next probe (up to MAX_WAIT plain
-steps), and one that mostly succeeds sets it back. In a batch a probe makes every sequence's step dearer:
+noticed; a probe whose drafts mostly fail doubles the wait before the next one (up to MAX_WAIT plain
+steps), and a step whose drafts mostly succeed sets it back. In a batch a probe makes every sequence's step dearer:
 probing every few steps, the drafts of requests that never copy cost a busy engine more than the copying
 ones gained. The costs are measured, not assumed: on some CPUs a pass over 2 or 3 tokens costs more than one
 over 4 (the matrix library picks another kernel for so few rows), and the choice follows. Which j is chosen never changes what is emitted: each step's verification is exact
@@ -124,12 +124,17 @@ class AdaptiveK:
 
     def update(self, drafted: int, accepted: int) -> None:
         """After a verification: of `drafted` drafts, the first `accepted` were kept. Each draft up to the
-        first rejection was a trial of alpha (a draft after a rejection was never judged). Fewer than half
-        accepted doubles the wait before the next probe (up to MAX_WAIT); half or more sets it back."""
+        first rejection was a trial of alpha (a draft after a rejection was never judged). A probe with fewer
+        than half accepted doubles the wait before the next probe (up to MAX_WAIT); any step with half or
+        more sets it back."""
         if drafted <= 0:
             return
         self.plain_steps = 0
-        self.wait = min(2 * self.wait, MAX_WAIT) if 2 * accepted < drafted else self.probe_every
+        if 2 * accepted >= drafted:
+            self.wait = self.probe_every
+        elif self.probing:
+            self.wait = min(2 * self.wait, MAX_WAIT)
+        self.probing = False
         trials = min(accepted + 1, drafted)
         self.accepted = self.memory * self.accepted + accepted
         self.tried = self.memory * self.tried + trials
