@@ -15,6 +15,7 @@ import torch
 from .detokenizer import IncrementalDetokenizer
 from .stages import STAGES, NaiveRunner, make_runner  # noqa: F401  (re-exported)
 from .sampling import SamplingParams, check_vocab, make_generator, penalize, sample_next_token
+from .speculative.adaptive import speculation_settings
 
 ALL_STAGES = [*STAGES, "continuous"]   # stage 5, the serving engine, streams through engine/
 
@@ -93,11 +94,6 @@ def stream(model, tokenizer, prompt_ids: list[int], params: SamplingParams | Non
     if speculative is not None and params.penalized:
         raise ValueError("penalties and logit_bias change each token's logits by the tokens before it, so "
                          "they are sampled one at a time: drop speculative, or the penalties")
-    if adaptive_speculation and speculative is None:
-        raise ValueError("adaptive_speculation chooses how many tokens a speculative proposer drafts: give "
-                         "speculative= too")
-    from .speculative.adaptive import speculation_settings
-
     adaptive_speculation, num_speculative_tokens = speculation_settings(speculative, adaptive_speculation,
                                                                         num_speculative_tokens)
     if stage == "continuous":

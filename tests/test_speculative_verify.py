@@ -163,3 +163,16 @@ def test_in_a_batch_drafts_pay_only_where_extra_tokens_are_cheap():
     assert times.draft(3, 0.0) == 0.0 and times.draft(3, 0.25) == 0.25 * times.step(3)
     times.observe_draft(3, 0.01)
     assert times.draft(3, 0.25) == 0.01
+
+
+def test_adaptive_speculation_needs_a_proposer():
+    """One rule for generate, the engine and the command line: asked for adaptive k without a proposer, a
+    clear error; with one, adaptive unless told otherwise."""
+    from minillm.speculative.adaptive import K_ADAPTIVE, K_FIXED, speculation_settings
+
+    with pytest.raises(ValueError, match="give speculative= too"):
+        speculation_settings(None, True, None)
+    assert speculation_settings(None, None, None) == speculation_settings(None, False, 3) == (False, None)
+    assert speculation_settings("ngram", None, None) == (True, K_ADAPTIVE)
+    assert speculation_settings("ngram", False, None) == (False, K_FIXED)
+    assert speculation_settings("ngram", None, 3) == (True, 3)

@@ -93,8 +93,6 @@ class LLMEngine:
         self.max_len = min(self.max_model_len, self.capacity_tokens)   # longest request that can ever run
         self.runner = runner_cls(model, self.kv, c.attention)
         self.graph_capture_s = self._capture_decode_graphs() if self._graphs_apply() else None
-        if c.adaptive_speculation and c.speculative is None:
-            raise ValueError("adaptive_speculation chooses how many tokens a proposer drafts: give speculative=")
         adaptive, k = speculation_settings(c.speculative, c.adaptive_speculation, c.num_speculative_tokens)
         self.speculator = None if c.speculative is None else Speculator(c.speculative, self.runner, k, adaptive)
         self.scheduler = Scheduler(self.kv, c.max_num_seqs, c.max_num_batched_tokens, c.policy,

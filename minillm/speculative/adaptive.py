@@ -45,8 +45,11 @@ MAX_WAIT = 32            # the most plain steps between two probes of a sequence
 
 def speculation_settings(speculative, adaptive: bool | None, k: int | None) -> tuple[bool, int | None]:
     """(adaptive, k) for `speculative` as asked: adaptive unless adaptive is False; k as given, else
-    K_ADAPTIVE or K_FIXED. No proposer: (False, None)."""
+    K_ADAPTIVE or K_FIXED. No proposer: (False, None), and ValueError where adaptive is True."""
     if speculative is None:
+        if adaptive:
+            raise ValueError("adaptive_speculation chooses how many tokens a speculative proposer drafts: give "
+                             "speculative= too")
         return False, None
     adaptive = adaptive is not False
     return adaptive, k if k is not None else K_ADAPTIVE if adaptive else K_FIXED
