@@ -33,6 +33,7 @@ from __future__ import annotations
 import argparse
 import json
 import math
+import os
 import shutil
 import statistics
 import subprocess
@@ -52,6 +53,7 @@ from minillm.course.launch_server import ServerProcess# noqa: E402
 
 VLLM = "vLLM (CPU backend)"
 PEER = "transformers serve --continuous-batching"
+KV_SPACE_GIB = 4      # KV cache memory for the peers that size it from the machine's memory (vLLM's CPU default)
 
 
 def export_hf_folder(out: Path) -> Path:
@@ -105,15 +107,18 @@ def servers(args, hf_dir: Path, dtype: str = "float32") -> dict[str, ServerProce
             [args.vllm_python, "-m", "vllm.entrypoints.openai.api_server", "--model", str(hf_dir), "--dtype", dtype,
              "--max-model-len", "4096", "--host", "127.0.0.1", "--port", "{port}", "--served-model-name", "minillm"],
             ready="/v1/models", start_timeout_s=900,
-            env={"VLLM_CPU_KVCACHE_SPACE": "4", "VLLM_CPU_OMP_THREADS_BIND": f"0-{args.threads - 1}"})
+            env={"VLLM_CPU_KVCACHE_SPACE": str(KV_SPACE_GIB), "VLLM_CPU_OMP_THREADS_BIND": f"0-{args.threads - 1}"})
     tf = shutil.which("transformers")
     if tf and not args.no_transformers:
         base = [tf, "serve", str(hf_dir), "--host", "127.0.0.1", "--port", "{port}", "--device", "cpu",
                 "--dtype", dtype]
         if not args.no_plain_transformers:
             out["transformers serve"] = ServerProcess(base, ready="/v1/models", env={"OMP_NUM_THREADS": threads})
-        out[PEER] = ServerProcess(base + ["--continuous-batching"], ready="/v1/models",
-                                  env={"OMP_NUM_THREADS": threads})
+        # its cache takes 90% of the memory it finds free by default: beside vLLM that ran the machine out of
+        # memory, so it gets the same KV space as vLLM
+        share = KV_SPACE_GIB * 2**30 / (os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES"))
+        out[PEER] = ServerProcess(base + ["--continuous-batching", "--cb-max-memory-percent", f"{min(share, 0.9):.3f}"],
+                                  ready="/v1/models", env={"OMP_NUM_THREADS": threads})
     if args.peer_python and dtype == "float32":    # the GGUF file's own Q4_1 weights
         out["llama.cpp (llama-cpp-python)"] = ServerProcess(
             [args.peer_python, "-m", "llama_cpp.server", "--model", str(minillm.find_model()), "--host", "127.0.0.1",
