@@ -32,6 +32,8 @@ from .scheduler import ScheduledBatch
 
 
 class Speculator:
+    greedy_rule = staticmethod(verify_greedy)     # (drafts, target argmax) -> tokens; notebook 10 plugs in its own
+
     def __init__(self, proposer, runner, num_speculative_tokens: int, adaptive: bool = False):
         """adaptive: each step, the requests most likely to be accepted draft j tokens and the rest none, with
         j and how many chosen so that the step's expected tokens per second is highest, from each request's
@@ -146,7 +148,7 @@ class Speculator:
         """logits (1 + drafts, vocab) -> the tokens to emit (accepted drafts + one), counted."""
         drafts = req.spec_token_ids
         if req.params.greedy:
-            new = verify_greedy(drafts, logits.argmax(dim=-1).tolist())
+            new = self.greedy_rule(drafts, logits.argmax(dim=-1).tolist())
         else:
             new = verify_rule(drafts, req.spec_probs, target_probs(logits, req.params), req.generator)
         self.num_drafts += 1

@@ -3,15 +3,19 @@ against minillm's own implementation, prints what is right and, for what is wron
 and returns True when everything passes. It never raises, so a notebook runs on to the next cell.
 
     notebook 01  check_rms_norm, check_causal_attention                  (model.py)
+                 check_attention_in_model                                (in_model.py)
     notebook 02  check_top_p, check_min_p                                (sampling.py)
     notebook 03  check_kv_append, check_kv_bytes                         (kv_cache.py)
+                 check_kv_append_in_model                                (in_model.py)
     notebook 04  check_repeat_kv, check_gqa_decode                       (gqa.py), check_ridge_batch (predict.py)
     notebook 05  check_online_softmax, check_merge_splits                (flash.py)
     notebook 06  check_slot_lookup, check_blocks_needed                  (paged.py)
     notebook 07  check_decode_steps, check_schedule, check_pack          (engine.py)
+                 check_schedule_in_engine                                (in_model.py)
     notebook 08  check_chunk_sizes, check_chunk_mask                     (chunked.py)
     notebook 09  check_chain, check_cached_tokens, check_lru             (prefix.py)
     notebook 10  check_verify_greedy, check_residual, check_accept_draft (speculative.py)
+                 check_verify_in_engine                                  (in_model.py)
     notebook 11  check_parse_sse, check_percentile                       (serving.py)
     notebook 12  check_int8_rows, check_dequantize_q4_1                  (quant.py)
     notebook 13  check_qkv_shard, check_transfer_bytes, check_ring_all_reduce (distributed.py)
@@ -26,6 +30,8 @@ from .distributed import check_qkv_shard, check_ring_all_reduce, check_transfer_
 from .engine import check_decode_steps, check_pack, check_schedule
 from .flash import check_merge_splits, check_online_softmax
 from .gqa import check_gqa_decode, check_repeat_kv
+from .in_model import (check_attention_in_model, check_kv_append_in_model, check_schedule_in_engine,
+                       check_verify_in_engine)
 from .kv_cache import check_kv_append, check_kv_bytes
 from .model import check_causal_attention, check_rms_norm
 from .paged import check_blocks_needed, check_slot_lookup
@@ -38,11 +44,11 @@ from .speculative import check_accept_draft, check_residual, check_verify_greedy
 from .step import check_rope_roll, check_step_split
 
 __all__ = [
-    "Case", "check_accept_draft", "check_blocks_needed", "check_cached_tokens", "check_causal_attention",
+    "Case", "check_accept_draft", "check_attention_in_model", "check_blocks_needed", "check_cached_tokens", "check_causal_attention",
     "check_chain", "check_chunk_mask", "check_chunk_sizes", "check_decode_steps", "check_dequantize_q4_1",
-    "check_gqa_decode", "check_int8_rows", "check_kv_append", "check_kv_bytes", "check_lru", "check_merge_splits",
+    "check_gqa_decode", "check_int8_rows", "check_kv_append", "check_kv_append_in_model", "check_kv_bytes", "check_lru", "check_merge_splits",
     "check_min_p", "check_online_softmax", "check_pack", "check_parse_sse", "check_percentile", "check_prediction",
     "check_qkv_shard", "check_repeat_kv", "check_residual", "check_ridge_batch", "check_ring_all_reduce",
-    "check_rms_norm", "check_rope_roll", "check_schedule", "check_slot_lookup", "check_step_split", "check_top_p",
-    "check_transfer_bytes", "check_verify_greedy", "run_checks",
+    "check_rms_norm", "check_rope_roll", "check_schedule", "check_schedule_in_engine", "check_slot_lookup", "check_step_split", "check_top_p",
+    "check_transfer_bytes", "check_verify_greedy", "check_verify_in_engine", "run_checks",
 ]

@@ -1,0 +1,89 @@
+"""The exercises whose answer runs inside the real model or engine: the reference answers reproduce the
+stage's greedy tokens, and a wrong answer is caught by the tokens (or the error) it leads to."""
+import math
+
+import torch
+
+from minillm.course.exercises import (check_attention_in_model, check_kv_append_in_model, check_schedule_in_engine,
+                                      check_verify_in_engine)
+from minillm.course.exercises.engine import _engine_schedule
+from minillm.course.exercises.kv_cache import reference_kv_append
+from minillm.course.exercises.model import reference_causal_attention
+from minillm.generate import generate
+from minillm.sampling import SamplingParams
+from minillm.speculative import verify_greedy
+
+PARAMS = SamplingParams(max_tokens=8, ignore_eos=True)
+
+
+def _reference(model, tokenizer, text="The capital of France is"):
+    prompt = tokenizer.encode(text)
+    return prompt, generate(model, tokenizer, prompt, PARAMS, stage="naive").token_ids
+
+
+def test_attention_in_every_head_gives_the_naive_tokens(model, tokenizer, capsys):
+    prompt, want = _reference(model, tokenizer)
+    assert check_attention_in_model(reference_causal_attention, model, prompt, want, tokenizer)
+    assert "its 8 greedy tokens are the reference's" in capsys.readouterr().out
+
+    def no_mask(q, k, v):                      # every query sees the future
+        return torch.softmax(q @ k.T / math.sqrt(q.shape[-1]), dim=-1) @ v
+    assert not check_attention_in_model(no_mask, model, prompt, want, tokenizer)
+    out = capsys.readouterr().out
+    assert out.startswith("✗ your causal attention, inside the model: token 0 is") and "reference:" in out
+
+
+def test_a_kv_append_drives_stage_2(model, tokenizer, capsys):
+    prompt, want = _reference(model, tokenizer)
+    assert check_kv_append_in_model(reference_kv_append, model, prompt, want, tokenizer)
+    assert "✓ your KV append, inside the model" in capsys.readouterr().out
+
+    def forgets_the_past(k_cache, v_cache, k, v, start):    # attends only this step's keys
+        reference_kv_append(k_cache, v_cache, k, v, start)
+        return k, v
+    assert not check_kv_append_in_model(forgets_the_past, model, prompt, want, tokenizer)
+    assert "✗ your KV append, inside the model: token" in capsys.readouterr().out
+
+    def unwritten(k_cache, v_cache, k, v, start):
+        raise NotImplementedError
+    assert not check_kv_append_in_model(unwritten, model, prompt, want, tokenizer)
+    assert "not written yet" in capsys.readouterr().out
+
+
+def test_a_scheduler_step_drives_the_engine_through_preemptions(model, tokenizer, capsys):
+    texts = ["The capital of France is", "1, 2, 3, 4, 5,", "Water boils at"]
+    prompts = [tokenizer.encode(t) for t in texts]
+    want = [generate(model, tokenizer, p, PARAMS, stage="naive").token_ids for p in prompts]
+    small = {"max_num_batched_tokens": 8, "block_size": 4, "num_blocks": 8}
+    assert check_schedule_in_engine(_engine_schedule, model, tokenizer, prompts, PARAMS, want, **small)
+    out = capsys.readouterr().out
+    assert out.startswith("✓ your scheduler drove the engine") and "(0 preemptions)" not in out
+
+    def everything_at_once(running, waiting, budget, max_seqs, free_blocks, block_size):   # ignores the pool
+        return [(r[0], r[2]) for r in running] + [(w[0], w[1]) for w in waiting], []
+    assert not check_schedule_in_engine(everything_at_once, model, tokenizer, prompts, PARAMS, want, **small)
+    assert "✗ your scheduler, driving the engine, led to" in capsys.readouterr().out
+
+    def nothing(running, waiting, budget, max_seqs, free_blocks, block_size):
+        return [], []
+    assert not check_schedule_in_engine(nothing, model, tokenizer, prompts, PARAMS, want, **small)
+    assert "never finish" in capsys.readouterr().out
+
+
+def test_a_greedy_verification_decides_the_engines_drafts(model, tokenizer, capsys):
+    from minillm.engine import LLM
+
+    prompts = [tokenizer.encode("1, 2, 3, 4, 5, 6, 7, 8, 9, 10, 1, 2, 3, 4, 5,")]
+    plain = LLM(model, tokenizer, backend="torch", kv_cache_memory=16 << 20, verbose=False)
+    want = [o.token_ids for o in plain.generate(prompts, PARAMS, use_tqdm=False)]
+    spec = LLM(model, tokenizer, backend="torch", kv_cache_memory=16 << 20, speculative="ngram",
+               num_speculative_tokens=4, adaptive_speculation=False, verbose=False)
+    assert check_verify_in_engine(verify_greedy, spec, prompts, PARAMS, want, tokenizer)
+    out = capsys.readouterr().out
+    assert out.startswith("✓ your verification kept") and " kept 0 of" not in out
+
+    def skips_the_drafts(drafts, argmax):      # the token after the last draft, the drafts themselves lost
+        return [argmax[-1]]
+    assert not check_verify_in_engine(skips_the_drafts, spec, prompts, PARAMS, want, tokenizer)
+    assert "✗ your verification, inside the engine: request 0 answered" in capsys.readouterr().out
+    assert spec.engine.speculator.greedy_rule is verify_greedy         # the engine's own rule is back
