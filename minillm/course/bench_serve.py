@@ -92,9 +92,10 @@ def load_workload(path=None, num_requests: int = 128, length_scale: float = 0.6,
 
 
 def replay_engine(engine, items: list[WorkItem], max_concurrency: int | None = None,
-                  timeout_s: float = 1800.0, progress: bool = True) -> Replay:
+                  timeout_s: float = 1800.0, progress: bool = True, ignore_eos: bool = True) -> Replay:
     """Send the requests at their arrival times and step the engine until all finish (or timeout_s:
-    what is left is aborted and counted as failed)."""
+    what is left is aborted and counted as failed). ignore_eos: every answer runs to its output_len (the
+    same work for every system); False: to its end of text, up to output_len."""
     pending = deque(sorted(items, key=lambda w: w.arrival_s))
     records, sent, timeline, in_flight = {}, {}, [], 0
     before = engine.stats()
@@ -104,7 +105,7 @@ def replay_engine(engine, items: list[WorkItem], max_concurrency: int | None = N
         while pending and pending[0].arrival_s <= time.perf_counter() - t0 and \
                 (max_concurrency is None or in_flight < max_concurrency):
             w = pending.popleft()    # its latency counts from now (arrival_time defaults to the present)
-            engine.add_request(w.request_id, w.prompt_ids, SamplingParams(max_tokens=w.output_len, ignore_eos=True))
+            engine.add_request(w.request_id, w.prompt_ids, SamplingParams(max_tokens=w.output_len, ignore_eos=ignore_eos))
             sent[w.request_id] = time.perf_counter() - t0
             in_flight += 1
         if not engine.has_unfinished_requests():
@@ -117,7 +118,7 @@ def replay_engine(engine, items: list[WorkItem], max_concurrency: int | None = N
             if out.finished:
                 m = out.metrics
                 token_s = [m.ttft_s + sum(m.itl_s[:i]) for i in range(len(m.itl_s) + 1)] if m.ttft_s else []
-                records[out.request_id] = Record(len(out.token_ids), token_s, out.finish_reason == "length",
+                records[out.request_id] = Record(len(out.token_ids), token_s, out.finish_reason in ("length", "stop"),
                                                  sent[out.request_id], m.queue_s or 0.0)
                 in_flight -= 1
                 bar.update(1)
