@@ -4,8 +4,8 @@ import math
 
 import torch
 
-from minillm.course.exercises import (check_attention_in_model, check_kv_append_in_model, check_schedule_in_engine,
-                                      check_verify_in_engine)
+from minillm.course.exercises import (check_attention_in_model, check_block_pool, check_block_pool_in_engine,
+                                      check_kv_append_in_model, check_schedule_in_engine, check_verify_in_engine)
 from minillm.course.exercises.engine import _engine_schedule
 from minillm.course.exercises.kv_cache import reference_kv_append
 from minillm.course.exercises.model import reference_causal_attention
@@ -87,3 +87,54 @@ def test_a_greedy_verification_decides_the_engines_drafts(model, tokenizer, caps
     assert not check_verify_in_engine(skips_the_drafts, spec, prompts, PARAMS, want, tokenizer)
     assert "✗ your verification, inside the engine: request 0 answered" in capsys.readouterr().out
     assert spec.engine.speculator.greedy_rule is verify_greedy         # the engine's own rule is back
+
+
+def _pool_moves():
+    def grow(pool, seq, n):
+        table, length, bs = pool.tables[seq], pool.lengths[seq], pool.block_size
+        if n > 0 and length % bs and pool.refcount[table[-1]] > 1:
+            new = pool.take()
+            pool.copy_block(table[-1], new, length % bs)
+            pool.release(table[-1])
+            table[-1] = new
+        while len(table) < -(-(length + n) // bs):
+            table.append(pool.take())
+        pool.lengths[seq] = length + n
+
+    def fork(pool, parent, child):
+        pool.tables[child], pool.lengths[child] = list(pool.tables[parent]), pool.lengths[parent]
+        for b in pool.tables[child]:
+            pool.refcount[b] += 1
+
+    def free(pool, seq):
+        for b in pool.tables.pop(seq):
+            pool.release(b)
+        del pool.lengths[seq]
+    return grow, fork, free
+
+
+def test_a_block_pool_passes_against_blockpool_and_runs_an_engine(model, tokenizer, capsys):
+    grow, fork, free = _pool_moves()
+    assert check_block_pool(grow, fork, free)
+    assert "6 of 6 checks pass" in capsys.readouterr().out
+    prompts = [tokenizer.encode(t) for t in ["The capital of France is", "Water boils at"]]
+    params = SamplingParams(max_tokens=8, temperature=0.8, seed=0, ignore_eos=True)
+    small = {"max_num_batched_tokens": 16, "block_size": 4, "num_blocks": 12}
+    assert check_block_pool_in_engine(grow, fork, free, model, tokenizer, prompts, params, 2, **small)
+    out = capsys.readouterr().out
+    assert out.startswith("✓ your block pool ran the engine: 4 samples") and " 0 copies-on-write" not in out
+
+    def no_copy(pool, seq, n):                  # writes into the shared block the other sample reads
+        table, length = pool.tables[seq], pool.lengths[seq]
+        while len(table) < -(-(length + n) // pool.block_size):
+            table.append(pool.take())
+        pool.lengths[seq] = length + n
+    assert not check_block_pool(no_copy, fork, free)
+    assert "copies the shared, partly full last block: after ('grow', 1, 1)" in capsys.readouterr().out
+    assert not check_block_pool_in_engine(no_copy, fork, free, model, tokenizer, prompts, params, 2, **small)
+    assert "✗ your block pool, inside the engine: sample" in capsys.readouterr().out
+
+    def leaky_free(pool, seq):                  # forgets the blocks
+        del pool.tables[seq], pool.lengths[seq]
+    assert not check_block_pool(grow, fork, leaky_free)
+    assert "is in 0 tables but its refcount is 1" in capsys.readouterr().out

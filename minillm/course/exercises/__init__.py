@@ -10,6 +10,7 @@ and returns True when everything passes. It never raises, so a notebook runs on 
     notebook 04  check_repeat_kv, check_gqa_decode                       (gqa.py), check_ridge_batch (predict.py)
     notebook 05  check_online_softmax, check_merge_splits                (flash.py)
     notebook 06  check_slot_lookup, check_blocks_needed                  (paged.py)
+                 check_block_pool, check_block_pool_in_engine            (block_pool.py)
     notebook 07  check_decode_steps, check_schedule, check_pack          (engine.py)
                  check_schedule_in_engine                                (in_model.py)
     notebook 08  check_chunk_sizes, check_chunk_mask                     (chunked.py)
@@ -24,6 +25,7 @@ and returns True when everything passes. It never raises, so a notebook runs on 
 `check_prediction` (predict.py) serves the predict-a-number exercise of notebooks 01-03 and 05-14: the
 learner's number against what the notebook measured in the same run.
 """
+from .block_pool import check_block_pool, check_block_pool_in_engine
 from .check import Case, run_checks
 from .chunked import check_chunk_mask, check_chunk_sizes
 from .distributed import check_qkv_shard, check_ring_all_reduce, check_transfer_bytes
@@ -44,7 +46,7 @@ from .speculative import check_accept_draft, check_residual, check_verify_greedy
 from .step import check_rope_roll, check_step_split
 
 __all__ = [
-    "Case", "check_accept_draft", "check_attention_in_model", "check_blocks_needed", "check_cached_tokens", "check_causal_attention",
+    "Case", "check_accept_draft", "check_block_pool", "check_block_pool_in_engine", "check_attention_in_model", "check_blocks_needed", "check_cached_tokens", "check_causal_attention",
     "check_chain", "check_chunk_mask", "check_chunk_sizes", "check_decode_steps", "check_dequantize_q4_1",
     "check_gqa_decode", "check_int8_rows", "check_kv_append", "check_kv_append_in_model", "check_kv_bytes", "check_lru", "check_merge_splits",
     "check_min_p", "check_online_softmax", "check_pack", "check_parse_sse", "check_percentile", "check_prediction",
