@@ -223,7 +223,8 @@ def test_every_exercise_passes_its_answer_and_fails_a_stub(capsys):
                  "check_prediction", "check_ridge_batch",                           # test_course_logic.py
                  "check_attention_in_model", "check_kv_append_in_model",            # test_exercises_in_model.py
                  "check_schedule_in_engine", "check_verify_in_engine",
-                 "check_block_pool", "check_block_pool_in_engine"}
+                 "check_block_pool", "check_block_pool_in_engine",
+                 "check_decode_kernel", "check_decode_kernel_in_model"}
     assert set(answers) | elsewhere == {n for n in ex.__all__ if n.startswith("check_")}
     for name, answer in answers.items():
         assert getattr(ex, name)(answer), name

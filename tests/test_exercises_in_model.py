@@ -138,3 +138,67 @@ def test_a_block_pool_passes_against_blockpool_and_runs_an_engine(model, tokeniz
         del pool.tables[seq], pool.lengths[seq]
     assert not check_block_pool(grow, fork, leaky_free)
     assert "is in 0 tables but its refcount is 1" in capsys.readouterr().out
+
+
+def test_a_triton_decode_kernel_is_checked_and_runs_every_decode_step(model, tokenizer, capsys):
+    import pytest
+
+    triton = pytest.importorskip("triton")
+    import triton.language as tl
+
+    from minillm.course.exercises import check_decode_kernel, check_decode_kernel_in_model
+
+    @triton.jit
+    def kernel(Q, K, V, O, S, scale, D: tl.constexpr, BLOCK_N: tl.constexpr):
+        pid = tl.program_id(0)
+        offs_d = tl.arange(0, D)
+        q = tl.load(Q + pid * D + offs_d)
+        m_i = tl.max(tl.full([BLOCK_N], float("-inf"), tl.float32), 0)
+        l_i = tl.sum(tl.zeros([BLOCK_N], tl.float32), 0)
+        acc = tl.zeros([D], tl.float32)
+        for start in range(0, S, BLOCK_N):
+            cols = start + tl.arange(0, BLOCK_N)
+            where = pid * S * D + cols[:, None] * D + offs_d[None, :]
+            k = tl.load(K + where, mask=cols[:, None] < S, other=0.0)
+            v = tl.load(V + where, mask=cols[:, None] < S, other=0.0)
+            s = tl.where(cols < S, tl.sum(k * q[None, :], 1) * scale, float("-inf"))
+            m_new = tl.maximum(m_i, tl.max(s, 0))
+            alpha = tl.exp(m_i - m_new)
+            p = tl.exp(s - m_new)
+            l_i = l_i * alpha + tl.sum(p, 0)
+            acc = acc * alpha + tl.sum(p[:, None] * v, 0)
+            m_i = m_new
+        tl.store(O + pid * D + offs_d, acc / l_i)
+
+    @triton.jit
+    def no_rescale(Q, K, V, O, S, scale, D: tl.constexpr, BLOCK_N: tl.constexpr):   # each tile's own max
+        pid = tl.program_id(0)
+        offs_d = tl.arange(0, D)
+        q = tl.load(Q + pid * D + offs_d)
+        l_i = tl.sum(tl.zeros([BLOCK_N], tl.float32), 0)
+        acc = tl.zeros([D], tl.float32)
+        for start in range(0, S, BLOCK_N):
+            cols = start + tl.arange(0, BLOCK_N)
+            where = pid * S * D + cols[:, None] * D + offs_d[None, :]
+            k = tl.load(K + where, mask=cols[:, None] < S, other=0.0)
+            v = tl.load(V + where, mask=cols[:, None] < S, other=0.0)
+            s = tl.where(cols < S, tl.sum(k * q[None, :], 1) * scale, float("-inf"))
+            p = tl.exp(s - tl.max(s, 0))
+            l_i = l_i + tl.sum(p, 0)
+            acc = acc + tl.sum(p[:, None] * v, 0)
+        tl.store(O + pid * D + offs_d, acc / l_i)
+
+    @triton.jit
+    def stub(Q, K, V, O, S, scale, D: tl.constexpr, BLOCK_N: tl.constexpr):
+        raise NotImplementedError
+
+    assert not check_decode_kernel(stub)
+    assert "not written yet" in capsys.readouterr().out
+    assert check_decode_kernel(kernel)
+    assert "4 of 4 checks pass" in capsys.readouterr().out
+    assert not check_decode_kernel(no_rescale)
+    assert "rescale the running sum" in capsys.readouterr().out
+    prompt = tokenizer.encode("The capital of France is")
+    want = generate(model, tokenizer, prompt, SamplingParams(max_tokens=4, ignore_eos=True), stage="naive").token_ids
+    assert check_decode_kernel_in_model(kernel, model, prompt, want, tokenizer)
+    assert "its 4 greedy tokens are the reference's" in capsys.readouterr().out
