@@ -73,9 +73,19 @@ def test_the_rules_are_the_engine_schedulers_on_random_states():
         assert schedule(*state) == _engine_schedule(*state), state
 
 
-def test_the_notebooks_schedule_answer_passes(capsys):
-    assert run_answer("07_continuous_batching.ipynb", "check_schedule", {"check_schedule": check_schedule})
-    assert "9 of 9 checks pass" in capsys.readouterr().out
+def test_the_notebooks_schedule_answer_passes(model, tokenizer, capsys):
+    from minillm.course.exercises import check_schedule_in_engine
+    from minillm.generate import generate
+    from minillm.sampling import SamplingParams
+
+    prompts = [tokenizer.encode(t) for t in ("The capital of France is", "1, 2, 3, 4, 5,", "Water boils at")]
+    params = SamplingParams(max_tokens=8, ignore_eos=True)
+    naive = [generate(model, tokenizer, p, params, stage="naive").token_ids for p in prompts]
+    namespace = {"check_schedule": check_schedule, "check_schedule_in_engine": check_schedule_in_engine,
+                 "model": model, "tok": tokenizer, "prompts": prompts, "params": params, "naive": naive}
+    assert run_answer("07_continuous_batching.ipynb", "check_schedule", namespace)   # then it drives an engine
+    out = capsys.readouterr().out
+    assert "9 of 9 checks pass" in out and "✓ your scheduler drove the engine" in out
 
 
 @pytest.mark.parametrize("broken", [
