@@ -14,13 +14,12 @@ three helpers:
 from __future__ import annotations
 
 import random
-import traceback
 
 import torch
 
 from ...engine import LLMEngine
 from ...kv.paged import BlockPool, OutOfBlocks
-from .check import Case, run_checks
+from .check import Case, learner_failed, run_checks
 
 
 class _YourPool(BlockPool):
@@ -180,13 +179,8 @@ def check_block_pool_in_engine(grow, fork, free, model, tok, prompts: list[list[
     want, _ = run(None)
     try:
         got, engine = run((grow, fork, free))
-    except NotImplementedError:
-        print("✗ your block pool is not written yet: replace `raise NotImplementedError` with your code")
-        return False
     except Exception as e:
-        frame = traceback.extract_tb(e.__traceback__)[-1]
-        print(f"✗ your block pool, inside the engine, led to {type(e).__name__}: {e} (line {frame.lineno}: {frame.line})")
-        return False
+        return learner_failed(e, "your block pool", "inside the engine, led to")
     pool, stats = engine.kv.pool, engine.stats()
     wrong = [r for r in want if got.get(r) != want[r]]
     if wrong:

@@ -28,3 +28,14 @@ def run_checks(fn: Callable, cases: list[Case], what: str) -> bool:
         passed += problem is None
     print(f"{passed} of {len(cases)} checks pass" + (" — well done." if passed == len(cases) else "."))
     return passed == len(cases)
+
+
+def learner_failed(e: Exception, what: str, doing: str) -> bool:
+    """Say why a learner's function stopped a run inside the model or engine (not written yet, or where it
+    raised); False. doing: how the line goes on, e.g. "inside the model, raised"."""
+    if isinstance(e, NotImplementedError):
+        print(f"✗ {what} is not written yet: replace `raise NotImplementedError` with your code")
+    else:
+        frame = traceback.extract_tb(e.__traceback__)[-1]
+        print(f"✗ {what}, {doing} {type(e).__name__}: {e} (line {frame.lineno}: {frame.line})")
+    return False

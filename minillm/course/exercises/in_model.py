@@ -15,8 +15,6 @@ token that differs is printed with both texts. Like the other checks, these neve
 """
 from __future__ import annotations
 
-import traceback
-
 import torch
 
 from ...attention import sdpa_attention
@@ -24,6 +22,7 @@ from ...engine import LLMEngine
 from ...engine.request import Status
 from ...engine.scheduler import ScheduledBatch, Scheduler
 from ...stages import NaiveRunner
+from .check import learner_failed
 
 
 def _greedy_match(step, prompt_ids: list[int], reference: list[int], tok, what: str) -> bool:
@@ -38,13 +37,8 @@ def _greedy_match(step, prompt_ids: list[int], reference: list[int], tok, what: 
                 if got[-1] != want or len(got) == len(reference):
                     break
                 logits = step([got[-1]])
-    except NotImplementedError:
-        print(f"✗ {what} is not written yet: replace `raise NotImplementedError` with your code")
-        return False
     except Exception as e:                                   # the learner's bug: show where
-        frame = traceback.extract_tb(e.__traceback__)[-1]
-        print(f"✗ {what}, inside the model, raised {type(e).__name__}: {e} (line {frame.lineno}: {frame.line})")
-        return False
+        return learner_failed(e, what, "inside the model, raised")
     if got == list(reference):
         print(f"✓ {what}, inside the model: its {len(got)} greedy tokens are the reference's, token for token:"
               f"\n  {tok.decode(got)!r}")
@@ -143,7 +137,7 @@ def check_schedule_in_engine(fn, model, tok, prompts: list[list[int]], params, r
     Each request's greedy tokens must be `reference`'s (the naive stage's)."""
     engine = LLMEngine(model, tok, enable_prefix_caching=False, verbose=False, **engine_options)
     engine.scheduler.__class__ = _YourScheduler
-    engine.scheduler.your_step = staticmethod(fn)
+    engine.scheduler.your_step = fn
     finished, step = {}, 0
     try:
         with torch.inference_mode():
@@ -156,14 +150,8 @@ def check_schedule_in_engine(fn, model, tok, prompts: list[list[int]], params, r
                     engine.add_request(step // 2, prompts[step // 2], params)
                 finished.update({o.request_id: o for o in engine.step() if o.finished})
                 step += 1
-    except NotImplementedError:
-        print("✗ your scheduler is not written yet: replace `raise NotImplementedError` with your code")
-        return False
     except Exception as e:
-        frame = traceback.extract_tb(e.__traceback__)[-1]
-        print(f"✗ your scheduler, driving the engine, led to {type(e).__name__}: {e} "
-              f"(line {frame.lineno}: {frame.line})")
-        return False
+        return learner_failed(e, "your scheduler", "driving the engine, led to")
     stats = engine.stats()
     wrong = [i for i in range(len(prompts)) if i not in finished or finished[i].token_ids != reference[i]]
     if wrong:
@@ -186,14 +174,8 @@ def check_verify_in_engine(fn, llm, prompts: list[list[int]], params, reference:
     spec.greedy_rule = lambda drafts, argmax: list(fn(list(drafts), list(argmax)))
     try:
         outs = llm.generate(prompts, params, use_tqdm=False)
-    except NotImplementedError:
-        print("✗ your verification is not written yet: replace `raise NotImplementedError` with your code")
-        return False
     except Exception as e:
-        frame = traceback.extract_tb(e.__traceback__)[-1]
-        print(f"✗ your verification, inside the engine, raised {type(e).__name__}: {e} "
-              f"(line {frame.lineno}: {frame.line})")
-        return False
+        return learner_failed(e, "your verification", "inside the engine, raised")
     finally:
         del spec.greedy_rule                                   # the engine's own rule again
     for i, (out, want) in enumerate(zip(outs, reference)):
