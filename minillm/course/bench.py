@@ -188,7 +188,7 @@ def peer_generate(hf_model, ids: list[int], max_tokens: int, stop_ids) -> Genera
 
 
 def run_bench(model, tokenizer, stages: list[str], prompts: list[dict], max_tokens: int = 64,
-              repeats: int = 1, warmup: bool = True, peer=None, kv_cache_dtype: str | None = None) -> dict:
+              repeats: int = 1, peer=None, kv_cache_dtype: str | None = None) -> dict:
     """Each stage (and the peer, if given) on every prompt, taking turns; medians per stage.
     kv_cache_dtype: how the stages' caches store K/V (None: the model's dtype)."""
     params = SamplingParams(max_tokens=max_tokens)
@@ -200,9 +200,8 @@ def run_bench(model, tokenizer, stages: list[str], prompts: list[dict], max_toke
             return peer_generate(peer, ids, n, tokenizer.stop_ids)
         return generate(model, tokenizer, ids, SamplingParams(max_tokens=n), name, kv_cache_dtype=kv_cache_dtype)
 
-    if warmup:  # first calls pay for allocations and lazy init; keep them out of the numbers
-        for name in names:
-            run(name, encoded[0], 4)
+    for name in names:  # untimed: first calls pay for allocations and lazy init
+        run(name, encoded[0], 4)
     runs = {s: [] for s in names}
     jobs = [(i, s) for _ in range(repeats) for i in range(len(encoded)) for s in names]
     for i, name in tqdm(jobs, desc="bench", disable=None):

@@ -210,11 +210,11 @@ def summarize_system(system: str, replay: Replay) -> dict:
 
 def run_serve_bench(model, tokenizer, items: list[WorkItem], systems=("continuous", "static"),
                     hf_model=None, max_concurrency: int = 64, engine_options: dict | None = None,
-                    timeout_s: float = 1800.0, warmup: bool = True, progress: bool = True,
+                    timeout_s: float = 1800.0, progress: bool = True,
                     on_result=None) -> tuple[list[dict], dict[str, Replay]]:
     """Each system replays the same workload, one after the other. Returns a summary per system
-    and the replays (per-request records and the step timeline), by system name.
-    on_result(summary) is called as each system finishes."""
+    and the replays (per-request records and the step timeline), by system name. Each system first
+    replays two tiny requests, untimed. on_result(summary) is called as each system finishes."""
     from ..engine import LLMEngine
 
     results, replays = [], {}
@@ -223,14 +223,12 @@ def run_serve_bench(model, tokenizer, items: list[WorkItem], systems=("continuou
             if hf_model is None:
                 raise ValueError("the transformers system needs hf_model (bench.load_transformers_peer())")
             pad = min(tokenizer.stop_ids)
-            if warmup:
-                replay_transformers(hf_model, _tiny(items), max_concurrency, pad, progress=False)
+            replay_transformers(hf_model, _tiny(items), max_concurrency, pad, progress=False)
             replay = replay_transformers(hf_model, items, max_concurrency, pad, timeout_s, progress)
         elif system in ("continuous", "static"):
             opts = {"max_num_seqs": max_concurrency, **(engine_options or {}), "policy": system}
             engine = LLMEngine(model, tokenizer, **opts)
-            if warmup:
-                replay_engine(engine, _tiny(items), progress=False)
+            replay_engine(engine, _tiny(items), progress=False)
             replay = replay_engine(engine, items, max_concurrency, timeout_s, progress)
             del engine
         else:

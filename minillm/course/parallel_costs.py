@@ -28,6 +28,9 @@ def all_reduce_seconds(rank: int, world: int, numel: int, repeats: int = 200) ->
     import time
 
     x, times = torch.ones(numel), []
+    for _ in range(3):                         # untimed: the first collectives open the ranks' connections
+        dist.barrier()
+        dist.all_reduce(x)
     for _ in range(repeats):
         dist.barrier()
         t0 = time.perf_counter()

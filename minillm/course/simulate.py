@@ -20,6 +20,7 @@ import torch
 from ..config import ModelConfig
 from ..sampling import SamplingParams
 from ..engine.llm_engine import LLMEngine
+from .timing import require_warmup
 
 
 @dataclass(slots=True)
@@ -105,7 +106,8 @@ def decode_step_seconds(model, tokenizer, batch: int, context: int = 100, steps:
 
 def prefill_step_times(model, tokenizer, tokens: int, repeats: int = 3, warmup: int = 1) -> list[float]:
     """Seconds of each of `repeats` engine steps that compute one prompt of `tokens` tokens (an empty cache),
-    after `warmup` untimed ones (the first step of a process also pays for one-time set-up)."""
+    after `warmup` (at least 1) untimed ones (the first step of a process also pays for one-time set-up)."""
+    require_warmup(warmup)
     times = []
     for n in range(warmup + repeats):
         engine = LLMEngine(model, tokenizer, max_num_batched_tokens=max(512, tokens), kv_cache_memory=256 << 20,

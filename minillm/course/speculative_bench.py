@@ -18,7 +18,7 @@ import torch
 from tqdm.auto import tqdm
 
 from ..generate import generate
-from .timing import median_time
+from .timing import alternate
 from ..stages import make_runner
 from ..sampling import SamplingParams
 
@@ -43,13 +43,7 @@ def pass_cost_runs(model, context: int = 200, max_tokens: int = 9, repeats: int 
     def step(T):
         runner.extend(list(range(100, 100 + T)))
         runner.truncate(context)
-    for T in range(1, max_tokens + 1):          # warm-up
-        step(T)
-    times: dict[int, list[float]] = {T: [] for T in range(1, max_tokens + 1)}
-    for _ in range(repeats):
-        for T in times:
-            times[T].append(median_time(lambda: step(T), repeats=1, warmup=0))
-    return times
+    return alternate({T: lambda T=T: step(T) for T in range(1, max_tokens + 1)}, rounds=repeats)
 
 
 def draft_cost(model, draft: int | str, context: int = 200, repeats: int = 9) -> float:
@@ -66,12 +60,7 @@ def draft_cost(model, draft: int | str, context: int = 200, repeats: int = 9) ->
         r = runners.get(who, runners["target"])
         r.extend([123], n_layers=layers[who])
         r.truncate(context)
-    for who in layers:                          # warm-up
-        step(who)
-    times = {}
-    for _ in range(repeats):                    # alternate, so a slow patch hits both
-        for who in layers:
-            times.setdefault(who, []).append(median_time(lambda: step(who), repeats=1, warmup=0))
+    times = alternate({who: lambda who=who: step(who) for who in layers}, rounds=repeats)   # a slow patch hits both
     return statistics.median(times["draft"]) / statistics.median(times["target"])
 
 

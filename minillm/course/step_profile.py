@@ -25,7 +25,7 @@ import time
 
 from ..kv import kv_cache_bytes
 from ..model import weight_bytes
-from .timing import _quiet_stderr
+from .timing import _quiet_stderr, run_times
 
 MATMUL = re.compile(r"(^|::|_)(mm|addmm|bmm|baddbmm|matmul|linear|linear_dynamic|fbgemm_linear\w*|"
                     r"_weight_int4pack_mm\w*|_weight_int8pack_mm\w*|linear_prepack\w*|_linear_pointwise|"
@@ -52,13 +52,7 @@ def step_split(fn, repeats: int = 10, warmup: int = 3) -> dict:
     """The median wall time of fn() and the profiled split of its time into four parts, per call."""
     from torch.profiler import ProfilerActivity, profile
 
-    for _ in range(warmup):
-        fn()
-    walls = []
-    for _ in range(repeats):                                        # unprofiled: the true wall time
-        t0 = time.perf_counter()
-        fn()
-        walls.append(time.perf_counter() - t0)
+    walls = run_times(fn, repeats, warmup)                         # unprofiled: the true wall time
     with _quiet_stderr(), profile(activities=[ProfilerActivity.CPU]) as prof:
         t0 = time.perf_counter()
         for _ in range(repeats):

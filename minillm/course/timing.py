@@ -15,22 +15,46 @@ def sync(device=None) -> None:
         torch.cuda.synchronize()
 
 
+def require_warmup(warmup: int) -> None:
+    if warmup < 1:
+        raise ValueError(f"warmup={warmup}: a first call pays one-time costs (allocation, lazy set-up, "
+                         "a kernel's calibration or compilation), so every timing starts with at least one "
+                         "untimed call")
+
+
+def _time_call(fn, device=None) -> float:
+    sync(device)
+    t0 = time.perf_counter()
+    fn()
+    sync(device)
+    return time.perf_counter() - t0
+
+
 def run_times(fn, repeats: int = 5, warmup: int = 1, device=None) -> list[float]:
-    """Wall time of each of `repeats` calls of fn(), in seconds, after `warmup` untimed calls."""
+    """Wall time of each of `repeats` calls of fn(), in seconds, after `warmup` (at least 1) untimed calls."""
+    require_warmup(warmup)
     for _ in range(warmup):
         fn()
-    times = []
-    for _ in range(repeats):
-        sync(device)
-        t0 = time.perf_counter()
-        fn()
-        sync(device)
-        times.append(time.perf_counter() - t0)
+    return [_time_call(fn, device) for _ in range(repeats)]
+
+
+def alternate(fns: dict, rounds: int = 5, warmup: int = 1, device=None) -> dict[str, list[float]]:
+    """{name: seconds of each round} for several variants timed in turns: every variant is warmed up
+    (`warmup` untimed calls each), then each round calls every variant once. A slow moment of the machine
+    then hits all of them alike instead of one."""
+    require_warmup(warmup)
+    for fn in fns.values():
+        for _ in range(warmup):
+            fn()
+    times: dict[str, list[float]] = {name: [] for name in fns}
+    for _ in range(rounds):
+        for name, fn in fns.items():
+            times[name].append(_time_call(fn, device))
     return times
 
 
 def median_time(fn, repeats: int = 5, warmup: int = 1, device=None) -> float:
-    """Median wall time of fn() in seconds, after `warmup` untimed calls."""
+    """Median wall time of fn() in seconds, after `warmup` (at least 1) untimed calls."""
     return statistics.median(run_times(fn, repeats, warmup, device))
 
 
@@ -141,6 +165,7 @@ def profile_ops(fn, repeats: int = 5, warmup: int = 2) -> list[dict]:
     adds a few microseconds to every operation, so many small ones read a little slow."""
     from torch.profiler import ProfilerActivity, profile
 
+    require_warmup(warmup)
     for _ in range(warmup):
         fn()
     with _quiet_stderr(), profile(activities=[ProfilerActivity.CPU]) as prof:   # the profiler's C++ side
