@@ -28,7 +28,7 @@ from tqdm import tqdm
 
 import minillm
 from minillm.backends import apply_backend, report
-from minillm.course.bench import machine_info
+from minillm.course.bench import machine_info, provenance
 from minillm.course.quality import heldout_ids
 from minillm.engine import LLMEngine
 from minillm.generate import generate
@@ -101,7 +101,7 @@ def main() -> None:
                 if rnd:
                     steps[b].append((time.perf_counter() - t0) * 1e3)
     step_ratio = statistics.median(t / n for t, n in zip(steps["torch"], steps["native"]))
-    print(json.dumps({"machine": machine_info(), "rounds": args.rounds, "single_stream_tokens_per_s": single,
+    print(json.dumps({"machine": machine_info(), **provenance(), "rounds": args.rounds, "single_stream_tokens_per_s": single,
                       "ratios": ratios | {"engine step: torch ms / native ms": step_ratio},
                       "engine_step_ms": {b: summary(v) for b, v in steps.items()},
                       "engine_attention": {b: e.runner.attention for b, e in engines.items()},

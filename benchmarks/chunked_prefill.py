@@ -16,7 +16,7 @@ from pathlib import Path
 import torch
 
 import minillm
-from minillm.course.bench import machine_info
+from minillm.course.bench import machine_info, provenance
 from minillm.course.bench_serve import long_prompt_interference
 from minillm.engine import LLMEngine
 from minillm.course.timing import percentile
@@ -49,7 +49,7 @@ def main():
                      "itl_p90_s": percentile(itl, 90), "itl_p99_s": percentile(itl, 99), "itl_max_s": max(itl),
                      "steps": len(r["steps"])})
         print(json.dumps(rows[-1]), flush=True)
-    report = {"machine": machine_info(), "long_prompt_tokens": args.long, "background_requests": args.background,
+    report = {"machine": machine_info(), **provenance(), "long_prompt_tokens": args.long, "background_requests": args.background,
               "background_prompt_tokens": 100, "background_output_tokens": 96, "rows": rows}
     Path(args.out).write_text(json.dumps(report, indent=1))
 

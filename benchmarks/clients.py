@@ -447,11 +447,11 @@ def main() -> None:
     args = ap.parse_args()
 
     import minillm
-    from minillm.course.bench import machine_info, machine_label
+    from minillm.course.bench import machine_info, machine_label, provenance
     from minillm.course.launch_server import ServerProcess
 
     model, tok = minillm.load_model(), minillm.load_tokenizer()
-    results: dict = {"machine": machine_info()}
+    results: dict = {"machine": machine_info(), **provenance()}
     with tempfile.TemporaryDirectory() as tmp, \
             ServerProcess.minillm(["--served-model-name", NAME, "--max-model-len", "2048"]) as srv:
         print(f"minillm serve at {srv.url}; {machine_label(results['machine'])}")

@@ -22,7 +22,7 @@ import torch
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
 import minillm  # noqa: E402
-from minillm.course.bench import machine_info# noqa: E402
+from minillm.course.bench import machine_info, provenance  # noqa: E402
 from minillm.course.disaggregation import colocated_run  # noqa: E402
 from minillm.distributed.disaggregated import disaggregated_run  # noqa: E402
 from minillm.course.timing import percentile# noqa: E402
@@ -70,7 +70,7 @@ def main() -> None:
                                                                  runs["disaggregated"][0]["requests"]))
     print("same tokens in both:", same)
     moved = runs["disaggregated"][-1]["requests"]
-    result = {"machine": machine_info(), "workload": {"short_prompt": SHORT, "long_prompt": LONG, "n_short": N_SHORT,
+    result = {"machine": machine_info(), **provenance(), "workload": {"short_prompt": SHORT, "long_prompt": LONG, "n_short": N_SHORT,
                                                       "n_long": N_LONG, "max_tokens": MAX_TOKENS, **OPTIONS},
               "same_tokens": same,
               "transfers": [{k: r[k] for k in ("blocks", "bytes", "seconds")} for r in moved],

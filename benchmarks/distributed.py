@@ -15,7 +15,7 @@ from pathlib import Path
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
 import minillm  # noqa: E402
-from minillm.course.bench import machine_info# noqa: E402
+from minillm.course.bench import machine_info, provenance  # noqa: E402
 from minillm.distributed.kv_transfer import transfer_costs  # noqa: E402
 from minillm.distributed.launch import run_ranks, tensor_parallel_generate  # noqa: E402
 from minillm.course.parallel_costs import all_reduce_seconds  # noqa: E402
@@ -40,7 +40,7 @@ def main() -> None:
     for world in (2, 3, 2, 3):
         latency.setdefault(world, []).append(run_ranks(all_reduce_seconds, world, 576, 200, timeout_s=300))
         print(f"all-reduce of 576 floats across {world} processes: {latency[world][-1] * 1e6:.0f} µs (median of 200)")
-    result = {"machine": machine_info(), "kv_transfer": {str(n): r for n, r in transfer.items()},
+    result = {"machine": machine_info(), **provenance(), "kv_transfer": {str(n): r for n, r in transfer.items()},
               "tensor_parallel_decode_tokens_per_s": {str(w): v for w, v in tp.items()},
               "all_reduce_576_floats_seconds": {str(w): v for w, v in latency.items()},
               "note": "each rank runs 1 torch thread; gloo over loopback TCP"}

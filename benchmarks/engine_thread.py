@@ -29,7 +29,7 @@ from pathlib import Path
 ROOT = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(ROOT))
 
-from minillm.course.bench import machine_info  # noqa: E402
+from minillm.course.bench import machine_info, provenance  # noqa: E402
 from minillm.course.bench_http import load_text_workload  # noqa: E402
 
 
@@ -111,7 +111,7 @@ def main():
                for name, rs in runs.items()}
     summary["other_over_same_wall"] = {"median": statistics.median(ratios), "min": min(ratios), "max": max(ratios)}
     print(json.dumps(summary, indent=1))
-    Path(args.out).write_text(json.dumps({"machine": machine_info() | {"threads": args.threads}, "backend": where,
+    Path(args.out).write_text(json.dumps({"machine": machine_info() | {"threads": args.threads}, **provenance(), "backend": where,
                                           "workload": {"file": "data/chat_workload.jsonl", "num_requests":
                                                        args.num_requests, "max_tokens": 96, "all_at_once": True},
                                           "rounds": runs, "summary": summary}, indent=1))

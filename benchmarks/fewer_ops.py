@@ -22,7 +22,7 @@ from pathlib import Path
 from tqdm import tqdm
 
 import minillm
-from minillm.course.bench import machine_info
+from minillm.course.bench import machine_info, provenance
 from minillm.course.step_variants import VARIANTS, op_counts, textbook
 from minillm.generate import generate
 from minillm.sampling import SamplingParams
@@ -68,7 +68,7 @@ def main() -> None:
                             "speed_vs_after": statistics.median(ratios),
                             "after_step_ms": after * 1e3,
                             "same_tokens_as_after": tokens[s] == tokens["after"]})
-    print(json.dumps({"machine": machine_info(), "prompt_tokens": len(ids), "steps": args.steps,
+    print(json.dumps({"machine": machine_info(), **provenance(), "prompt_tokens": len(ids), "steps": args.steps,
                       "results": results}, indent=1))
 
 

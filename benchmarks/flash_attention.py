@@ -34,7 +34,7 @@ import triton  # noqa: E402
 
 from minillm.attention import naive_attention  # noqa: E402
 from minillm.attention.triton_flash import decode_attention, flash_attn_varlen  # noqa: E402
-from minillm.course.bench import machine_info# noqa: E402
+from minillm.course.bench import machine_info, provenance  # noqa: E402
 
 PREFILL_CONFIGS = [dict(block_m=128, block_n=64, num_warps=8, num_stages=3),
                    dict(block_m=128, block_n=128, num_warps=8, num_stages=2),
@@ -173,7 +173,7 @@ def main():
         for B in (8, 32):
             for ctx in (8192, 32768):
                 paged.append(paged_decode_case(B, ctx, 32, 8, 128, 16, dtype, device, copy_bw))
-    report = {"machine": info, "copy_bytes_per_s": copy_bw, "smoke": args.smoke, "prefill": prefill,
+    report = {"machine": info, **provenance(), "copy_bytes_per_s": copy_bw, "smoke": args.smoke, "prefill": prefill,
               "decode": decode, "paged_decode": paged}
     name = re.sub(r"[^a-z0-9]+", "_", (info["gpu"] or "cpu").lower()).strip("_")
     out = Path(args.out) if args.out else Path(__file__).parent / "results" / f"flash_{name}{'_smoke' if args.smoke else ''}.json"

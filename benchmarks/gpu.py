@@ -483,7 +483,9 @@ def run(parts: list[str], device: torch.device, dry: bool, model_path: str | Non
     save(report), if given, is called after each part, so a run stopped part-way keeps what it measured."""
     ctx = Context(device, dry, model_path)
     save = save or (lambda report: None)
-    report = {"dry_run": dry, "device": str(device), "parts": {}}
+    from minillm.course.bench import machine_info, provenance
+
+    report = {"machine": machine_info(), **provenance(), "dry_run": dry, "device": str(device), "parts": {}}
     t0 = time.perf_counter()
     try:
         report["device_check"] = check_device(ctx)       # nothing is timed on a device that computes wrong

@@ -40,7 +40,9 @@ def main() -> None:
     dev = torch.device("cuda")
     bench = lambda f: triton.testing.do_bench(f, warmup=25, rep=100, return_mode="median")   # noqa: E731
     sms = torch.cuda.get_device_properties(dev).multi_processor_count
-    out = {"gpu": torch.cuda.get_device_name(), "sms": sms, "torch": torch.__version__, "triton": triton.__version__,
+    from minillm.course.bench import machine_info, provenance
+
+    out = {"machine": machine_info(), **provenance(), "gpu": torch.cuda.get_device_name(), "sms": sms, "torch": torch.__version__, "triton": triton.__version__,
            "prefill": [], "decode": []}
     for T in (1024, 4096, 16384):
         B, H, H_kv, D = 16384 // T, 9, 3, 64

@@ -15,7 +15,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
 import minillm  # noqa: E402
 from minillm.course.kernel_checks import flash_kernel_checks# noqa: E402
-from minillm.course.bench import machine_info# noqa: E402
+from minillm.course.bench import machine_info, provenance  # noqa: E402
 from minillm.generate import generate  # noqa: E402
 from minillm.sampling import SamplingParams  # noqa: E402
 
@@ -25,7 +25,7 @@ def main() -> None:
     ids = tok.apply_chat_template([{"role": "user", "content": "What is the capital of France?"}])
     params = SamplingParams(max_tokens=8, ignore_eos=True)
     runs = {stage: generate(model, tok, ids, params, stage=stage) for stage in ("naive", "flash", "paged")}
-    out = {"machine": machine_info(), "flash": flash_kernel_checks(device="cpu"),
+    out = {"machine": machine_info(), **provenance(), "flash": flash_kernel_checks(device="cpu"),
            "stages": {stage: {"token_ids": g.token_ids, "text": g.text} for stage, g in runs.items()},
            "same_tokens_as_naive": {s: runs[s].token_ids == runs["naive"].token_ids for s in ("flash", "paged")}}
     path = Path(__file__).resolve().parent / "results" / "cpu_kernel_checks.json"

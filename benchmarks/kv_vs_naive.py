@@ -14,7 +14,7 @@ from pathlib import Path
 import torch
 
 import minillm
-from minillm.course.bench import machine_info
+from minillm.course.bench import machine_info, provenance
 from minillm.generate import generate
 from minillm.sampling import SamplingParams
 
@@ -41,7 +41,7 @@ def main():
     assert kv.token_ids == naive.token_ids, "stages disagree: a correctness bug, not a benchmark result"
     speedup = {n: sum(naive.token_times_s[:n]) / sum(kv.token_times_s[:n])
                for n in (64, 128, 256, 512) if n <= args.max_tokens}
-    report = {"machine": machine_info(), "prompt_tokens": len(ids), "max_tokens": args.max_tokens,
+    report = {"machine": machine_info(), **provenance(), "prompt_tokens": len(ids), "max_tokens": args.max_tokens,
               "same_tokens": True, "speedup_at": speedup,
               "step_s": {"naive": naive.token_times_s, "kv": kv.token_times_s}}
     Path(args.out).write_text(json.dumps(report, indent=1))

@@ -16,7 +16,7 @@ from pathlib import Path
 import torch
 
 import minillm
-from minillm.course.bench import machine_info
+from minillm.course.bench import machine_info, provenance
 from minillm.course.bench_serve import load_workload, run_serve_bench
 
 
@@ -46,7 +46,7 @@ def main():
                 "shared_prefix_tokens": args.shared_prefix_tokens,
                 "mean_prompt_tokens": sum(len(w.prompt_ids) for w in items) / len(items),
                 "mean_output_tokens": sum(w.output_len for w in items) / len(items)}
-    Path(args.out).write_text(json.dumps({"machine": machine_info(), "workload": workload, "results": results}, indent=1))
+    Path(args.out).write_text(json.dumps({"machine": machine_info(), **provenance(), "workload": workload, "results": results}, indent=1))
 
 
 if __name__ == "__main__":

@@ -35,7 +35,7 @@ import torch
 from tqdm import tqdm
 
 import minillm
-from minillm.course.bench import load_prompts, machine_info, prompt_ids
+from minillm.course.bench import load_prompts, machine_info, prompt_ids, provenance
 from minillm.config import ModelConfig
 from minillm.generate import generate
 from minillm.kv import kv_cache_bytes
@@ -249,7 +249,7 @@ def main():
                         "decode_at_1000_tokens": statistics.median(kv_speed[kv]) if kv in kv_speed else None,
                         **({"refused": kv_refused[kv]} if kv in kv_refused else {}),
                         **kv_quality[kv], "greedy_agreement": greedy_agreement(m, tok, refs, bench_prompts, q)})
-    out = {"machine": machine_info(), "threads": args.threads, "rounds": args.rounds, "heldout_tokens": len(held),
+    out = {"machine": machine_info(), **provenance(), "threads": args.threads, "rounds": args.rounds, "heldout_tokens": len(held),
            "results": results, "kv_cache": kv_rows, "raw": speed, "raw_kv_decode": kv_speed}
     if args.profile:
         out["profile_q4_file_decode_step"] = profile_step(models["q4_file"], ids)

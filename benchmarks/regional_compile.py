@@ -28,7 +28,7 @@ from tqdm import tqdm
 
 import minillm
 from minillm.compile import compile_blocks, eager_blocks
-from minillm.course.bench import machine_info
+from minillm.course.bench import machine_info, provenance
 from minillm.generate import generate
 from minillm.sampling import SamplingParams
 
@@ -108,7 +108,7 @@ def main() -> None:
     ids = tok.encode(PROMPT)
     results = [single_stream(d, q, tok, ids, args.rounds) for d, q in tqdm(FORMATS, desc="formats", file=sys.stderr)]
     engine = engine_steps(tok, rounds=args.rounds)
-    print(json.dumps({"machine": machine_info(), "prompt_tokens": len(ids), "rounds": args.rounds,
+    print(json.dumps({"machine": machine_info(), **provenance(), "prompt_tokens": len(ids), "rounds": args.rounds,
                       "single_stream": results, "engine": engine}, indent=1))
 
 

@@ -23,7 +23,7 @@ from tqdm import tqdm
 
 import minillm
 from minillm import LLM
-from minillm.course.bench import machine_info
+from minillm.course.bench import machine_info, provenance
 from minillm.course.routing_costs import auc, tradeoff
 from minillm.routing import SIGNALS, TOP_LOGPROBS, confidence
 from minillm.sampling import SamplingParams
@@ -70,7 +70,7 @@ def run(cheap_fmt: str, max_tokens: int, repeats: int) -> dict:
                      "cheap_s": statistics.median(times["cheap"]), "exact_s": statistics.median(times["exact"]),
                      **{s: confidence(outs["cheap"].logprobs, s) for s in SIGNALS}})
     info = machine_info()
-    return {"machine": info["cpu"], "threads": info["threads"], "torch": info["torch"], "cheap": cheap_fmt,
+    return {"machine": info["cpu"], **provenance(), "threads": info["threads"], "torch": info["torch"], "cheap": cheap_fmt,
             "exact": "float32", "max_tokens": max_tokens, "repeats": repeats, "rows": rows,
             "agreement_without_routing": sum(r["agrees"] for r in rows) / len(rows),
             "cheap_cost": sum(r["cheap_s"] for r in rows) / sum(r["exact_s"] for r in rows),

@@ -30,7 +30,7 @@ ROOT = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(ROOT))
 sys.path.insert(0, str(ROOT / "benchmarks"))
 
-from minillm.course.bench import machine_info  # noqa: E402
+from minillm.course.bench import machine_info, provenance  # noqa: E402
 from minillm.course.bench_http import load_text_workload, run_http_bench  # noqa: E402
 from minillm.course.bench_serve import replay_engine, summarize_system  # noqa: E402
 from minillm.course.launch_server import ServerProcess  # noqa: E402
@@ -115,7 +115,7 @@ def main():
         summary[dtype] = med
         print(dtype, json.dumps(med))
     Path(args.out).write_text(json.dumps({
-        "machine": machine_info() | {"threads": args.threads}, "versions": versions(argparse.Namespace(vllm_python=None, peer_python=None, no_transformers=True)),
+        "machine": machine_info() | {"threads": args.threads}, **provenance(), "versions": versions(argparse.Namespace(vllm_python=None, peer_python=None, no_transformers=True)),
         "workload": {"file": "data/chat_workload.jsonl", "num_requests": args.num_requests, "all_at_once": True,
                      "max_tokens": 96, "greedy": True, "ignore_eos": False, "rounds": args.rounds},
         "results": results, "medians": summary}, indent=1))

@@ -400,7 +400,7 @@ def plot_soak(result: dict, machine: str, path: Path) -> None:
 # ------------------------------------------------------------ the command line
 def main() -> None:
     import minillm  # noqa: F401  (the course model must be installed)
-    from minillm.course.bench import machine_info, machine_label
+    from minillm.course.bench import machine_info, machine_label, provenance
     from minillm.course.launch_server import ServerProcess
 
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
@@ -414,6 +414,7 @@ def main() -> None:
     results = json.loads(out.read_text()) if out.exists() else {}
     info = machine_info()
     results["machine"] = info
+    results.update(provenance())               # this run's: a part not rerun now was measured before it
     name = "smol"
     if "fuzz" in args.parts:
         with ServerProcess.minillm(["--served-model-name", name, "--max-model-len", "64",

@@ -45,7 +45,7 @@ from pathlib import Path
 ROOT = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(ROOT))
 
-from minillm.course.bench import machine_info# noqa: E402
+from minillm.course.bench import machine_info, provenance  # noqa: E402
 from minillm.course.bench_http import MetricsSampler, load_text_workload, run_http_bench  # noqa: E402
 from minillm.course.bench_serve import summarize_system# noqa: E402
 from minillm.course.launch_server import ServerProcess# noqa: E402
@@ -190,7 +190,7 @@ def main():
                 "chat": True, "greedy": True, "max_tokens": 96, "ignore_eos": False, "rounds": args.rounds,
                 "dtypes": args.dtypes.split(",")}
     verdict = [g | {"peer_name": peer} for peer in (PEER, VLLM) for g in goals(results, peer)]
-    Path(args.out).write_text(json.dumps({"machine": machine_info() | {"threads": args.threads},
+    Path(args.out).write_text(json.dumps({"machine": machine_info() | {"threads": args.threads}, **provenance(),
                                           "versions": versions(args), "workload": workload, "servers": names,
                                           "results": results, "goals": verdict, "minillm_metrics": timelines},
                                          indent=1))

@@ -42,7 +42,7 @@ from pathlib import Path
 from tqdm import tqdm
 
 import minillm
-from minillm.course.bench import machine_info
+from minillm.course.bench import machine_info, provenance
 from minillm.course.quality import check_quality, heldout_ids, refusal
 from minillm.course.roofline import forward_flops, measure_copy_bandwidth, measure_matmul_flops
 from minillm.course.step_profile import bytes_per_token, step_split
@@ -250,7 +250,7 @@ def main() -> None:
     engine["torch_split"] = splits["torch"] if "cpu" in splits else None
     engine["packed_weights"] = report(packed)["kernels"]["float32 products"]
     engine["unpacked_split"] = unpacked
-    print(json.dumps({"machine": machine_info(), "copy_bytes_per_s": copy_bw, "matmul_flops_per_s": matmul_rate,
+    print(json.dumps({"machine": machine_info(), **provenance(), "copy_bytes_per_s": copy_bw, "matmul_flops_per_s": matmul_rate,
                       "copy_bytes_per_s_runs": bandwidths, "matmul_flops_per_s_runs": matmul_rates,
                       "backend": {name: report(m) for name, m in models.items()},
                       "prompt_tokens": len(ids), "rounds": args.rounds,

@@ -36,7 +36,7 @@ ROOT = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(ROOT))
 sys.path.insert(0, str(ROOT / "benchmarks"))
 
-from minillm.course.bench import machine_info  # noqa: E402
+from minillm.course.bench import machine_info, provenance  # noqa: E402
 from minillm.course.bench_http import load_text_workload, run_http_bench  # noqa: E402
 from minillm.course.launch_server import ServerProcess  # noqa: E402
 from serving import export_hf_folder, versions  # noqa: E402
@@ -195,7 +195,7 @@ def main():
     print(json.dumps({"minillm": ours["ms_per_token"]}), flush=True)
     args.peer_python, args.no_transformers = None, True
     Path(args.out).write_text(json.dumps({
-        "machine": machine_info() | {"threads": args.threads}, "versions": versions(args),
+        "machine": machine_info() | {"threads": args.threads}, **provenance(), "versions": versions(args),
         "workload": {"file": "data/chat_workload.jsonl", "num_requests": args.num_requests, "all_at_once": True,
                      "max_tokens": 96, "dtype": args.dtype},
         "minillm": ours, "vllm": theirs}, indent=1))

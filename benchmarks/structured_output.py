@@ -28,7 +28,7 @@ from tqdm import tqdm
 
 import minillm
 from minillm import structured
-from minillm.course.bench import machine_info
+from minillm.course.bench import machine_info, provenance
 from minillm.course.quality import heldout_ids
 from minillm.engine import LLMEngine
 from minillm.sampling import SamplingParams
@@ -205,7 +205,7 @@ def main() -> None:
         torch.set_num_threads(args.threads)
     batches = (1, 32)
     model, tok = minillm.load_model(), minillm.load_tokenizer()
-    result = {"machine": machine_info(), "batches": list(batches), "schemas": {k: s for k, (s, _) in SCHEMAS.items()},
+    result = {"machine": machine_info(), **provenance(), "batches": list(batches), "schemas": {k: s for k, (s, _) in SCHEMAS.items()},
               "llguidance": llguidance_side(tok, batches), "xgrammar": xgrammar_side(tok, batches),
               }
     result["llguidance"]["version"] = version("llguidance")

@@ -156,3 +156,16 @@ print(len(llm.generate(["hi"], SamplingParams(max_tokens=3), use_tqdm=False)[0].
 """
     r = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=300)
     assert r.returncode == 0 and r.stdout.split()[-1] == "3", r.stderr[-2000:]
+
+
+def test_every_benchmark_that_writes_a_result_records_machine_commit_and_date():
+    """A committed number names the hardware it ran on (machine_info) and the code and day that made it
+    (provenance: commit and date), so results from different machines or code are never read as one run."""
+    missing = []
+    for script in sorted((ROOT / "benchmarks").glob("*.py")):
+        text = script.read_text()
+        if "results" not in text and "--out" not in text:
+            continue                                  # writes no result file
+        if "machine_info()" not in text or "provenance()" not in text:
+            missing.append(script.name)
+    assert not missing, f"these benchmarks write results without machine_info() and provenance(): {missing}"
