@@ -9,7 +9,7 @@ within its bound:
   (`speed_vs_torch_matmul`); where its blocks take the C path (`minillm/backends/c_block.py`, float32
   activations), again with the C products but the block as PyTorch operators (`speed_vs_pytorch_block`);
 - the bytes a decode step must read (every weight once and the prompt's K/V), the tokens/s the machine's
-  measured copy bandwidth allows at that (the floor), and the fraction of it achieved: the bandwidth is
+  measured read bandwidth allows at that (the floor), and the fraction of it achieved: the bandwidth is
   measured in every round (on a shared virtual machine it moves by tens of percent from minute to minute),
   and the fraction is the median of each round's speed against that round's floor;
 - one decode step split four ways (`minillm/course/step_profile.py`): matrix products, attention, the rest of
@@ -44,7 +44,7 @@ from tqdm import tqdm
 import minillm
 from minillm.course.bench import machine_info, provenance
 from minillm.course.quality import check_quality, heldout_ids, refusal
-from minillm.course.roofline import forward_flops, measure_copy_bandwidth, measure_matmul_flops
+from minillm.course.roofline import forward_flops, measure_matmul_flops, measure_read_bandwidth
 from minillm.course.step_profile import bytes_per_token, step_split
 import torch
 
@@ -187,7 +187,7 @@ def main() -> None:
             models[name] = m
         else:
             print(refusal(q), file=sys.stderr)
-    # the machine's copy bandwidth and matmul rate, measured in every round with the formats: on a shared
+    # the machine's read bandwidth and matmul rate, measured in every round with the formats: on a shared
     # virtual machine they move from minute to minute, so each round's speeds meet that round's floor
     bandwidths, matmul_rates = [], []
     speeds = {name: [] for name in models}
@@ -215,14 +215,14 @@ def main() -> None:
             if rnd:
                 speeds["llama.cpp"].append(tps)
         if rnd:
-            bandwidths.append(measure_copy_bandwidth(repeats=3))
+            bandwidths.append(measure_read_bandwidth(repeats=3))
             matmul_rates.append(measure_matmul_flops(repeats=3))
-    copy_bw, matmul_rate = statistics.median(bandwidths), statistics.median(matmul_rates)
+    read_bw, matmul_rate = statistics.median(bandwidths), statistics.median(matmul_rates)
     results = []
     for name, m in tqdm(models.items() if not args.engine_only else (), desc="profile", file=sys.stderr):
         tps = statistics.median(speeds[name])
         nbytes = bytes_per_token(m, len(ids) + 32)
-        floor = copy_bw / nbytes
+        floor = read_bw / nbytes
         split = decode_split(m, ids, args.repeats)
         results.append({"format": name, "decode_tokens_per_s": tps, "runs": speeds[name],
                         "weight_bytes": weight_bytes(m), "bytes_per_token": nbytes,
@@ -250,8 +250,8 @@ def main() -> None:
     engine["torch_split"] = splits["torch"] if "cpu" in splits else None
     engine["packed_weights"] = report(packed)["kernels"]["float32 products"]
     engine["unpacked_split"] = unpacked
-    print(json.dumps({"machine": machine_info(), **provenance(), "copy_bytes_per_s": copy_bw, "matmul_flops_per_s": matmul_rate,
-                      "copy_bytes_per_s_runs": bandwidths, "matmul_flops_per_s_runs": matmul_rates,
+    print(json.dumps({"machine": machine_info(), **provenance(), "read_bytes_per_s": read_bw, "matmul_flops_per_s": matmul_rate,
+                      "read_bytes_per_s_runs": bandwidths, "matmul_flops_per_s_runs": matmul_rates,
                       "backend": {name: report(m) for name, m in models.items()},
                       "prompt_tokens": len(ids), "rounds": args.rounds,
                       "refused": {k: refusal(q) for k, q in gate.items() if q and not q["within_bound"]},

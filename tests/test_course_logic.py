@@ -223,14 +223,20 @@ def test_versus_words_follow_the_numbers():
 def test_prediction_checks_pass_a_right_sized_number_and_fail_a_wrong_one(capsys):
     from minillm.course.exercises.predict import check_prediction, check_ridge_batch, ridge_batch
 
-    assert check_prediction(lambda x: 2 * x, {"x": 3.0}, measured=5.0, what="a step")
-    assert not check_prediction(lambda x: 20 * x, {"x": 3.0}, measured=5.0, what="a step")
-    assert not check_prediction(lambda x: -x, {"x": 3.0}, measured=5.0, what="a step")
+    assert check_prediction(lambda x: 2 * x, {"x": 3.0}, 5.0, what="a step", factor=2)
+    assert not check_prediction(lambda x: 20 * x, {"x": 3.0}, 5.0, what="a step")
+    assert not check_prediction(lambda x: -x, {"x": 3.0}, 5.0, what="a step")
 
     def unwritten(x):
         raise NotImplementedError
-    assert not check_prediction(unwritten, {"x": 3.0}, measured=5.0, what="a step")
+    assert not check_prediction(unwritten, {"x": 3.0}, 5.0, what="a step")
     assert "not written yet" in capsys.readouterr().out
+    measured = []                      # a measurement is made only after the learner's function answered
+    assert check_prediction(lambda x: 2 * x, {"x": 3.0}, lambda: measured.append(1) or 6.5, what="a step")
+    assert measured == [1]
+    assert not check_prediction(unwritten, {"x": 3.0}, lambda: measured.append(2) or 6.0, what="a step")
+    assert measured == [1]
+    assert not check_prediction(lambda x: 2 * x, {"x": 3.0}, 8.0, what="a step")   # 0.75x: outside 1.3x
     assert ridge_batch(989e12, 4.8e12, 2) == pytest.approx(206.0, rel=0.01)
     assert check_ridge_batch(ridge_batch, 100e9, 20e9)
     assert not check_ridge_batch(lambda p, bw, b: p / bw, 100e9, 20e9)

@@ -37,7 +37,7 @@ def cmd_bench(args) -> None:
             print(f"{r['stage']:<12} {r['prefill_tokens_per_s']:>12.1f} {r['ttft_s'] * 1e3:>9.1f} "
                   f"{r['decode_tokens_per_s']:>13.2f} {r['ratio_to_first']:>6.2f} {floor:>9}", file=sys.stderr)
         print(f"bandwidth floor: {report['bandwidth_floor_tokens_per_s']:.1f} tok/s "
-              f"({report['weight_bytes'] / 1e6:.0f} MB of weights at {report['copy_bytes_per_s'] / 1e9:.1f} GB/s copy)",
+              f"({report['weight_bytes'] / 1e6:.0f} MB of weights read at {report['read_bytes_per_s'] / 1e9:.1f} GB/s)",
               file=sys.stderr)
     print(json.dumps(report, indent=None if args.json else 2))
 

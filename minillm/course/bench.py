@@ -21,7 +21,7 @@ import torch
 from tqdm import tqdm
 
 from ..generate import Generation, generate
-from .roofline import measure_copy_bandwidth, weight_bytes
+from .roofline import measure_read_bandwidth, weight_bytes
 from ..sampling import SamplingParams
 
 DEFAULT_PROMPTS = Path(__file__).resolve().parents[2] / "data" / "prompts.jsonl"
@@ -75,7 +75,8 @@ def provenance() -> dict:
         except (OSError, subprocess.SubprocessError):
             return ""
     commit = git("rev-parse", "--short", "HEAD") or "unknown"
-    dirty = git("status", "--porcelain", "--untracked-files=no")
+    # changed code, not results or notebooks (which a benchmark neither runs nor reads)
+    dirty = git("status", "--porcelain", "--untracked-files=no", "--", ".", ":!benchmarks/results", ":!notebooks")
     return {"commit": commit + (" + uncommitted changes" if dirty else ""),
             "date": time.strftime("%Y-%m-%d %H:%M UTC", time.gmtime())}
 
@@ -226,15 +227,15 @@ def run_bench(model, tokenizer, stages: list[str], prompts: list[dict], max_toke
             r = next(r for r in results if r["stage"] == name)
             r["same_tokens_as_transformers"] = all(
                 a.token_ids == b.token_ids for a, b in zip(runs[name], runs["transformers"]))
-    copy_bw = measure_copy_bandwidth()
+    read_bw = measure_read_bandwidth()
     wbytes = weight_bytes(model)
     for r in results:                   # of the tokens/s that reading every weight once per token allows
         if r["stage"] != "transformers":
-            r["fraction_of_floor"] = r["decode_tokens_per_s"] * wbytes / copy_bw
+            r["fraction_of_floor"] = r["decode_tokens_per_s"] * wbytes / read_bw
     info = machine_info()
     return {"machine": info["cpu"], "gpu": info["gpu"], "torch": info["torch"], "threads": info["threads"],
             "cores": info["cores"], "max_tokens": max_tokens, "repeats": repeats,
             "prompts": [p.get("name", p["prompt"][:30]) for p in prompts],
-            "weight_bytes": wbytes, "copy_bytes_per_s": copy_bw,
-            "bandwidth_floor_tokens_per_s": copy_bw / wbytes,
+            "weight_bytes": wbytes, "read_bytes_per_s": read_bw,
+            "bandwidth_floor_tokens_per_s": read_bw / wbytes,
             "results": results}

@@ -7,8 +7,11 @@ A decode step for a batch of B sequences with S cached tokens must
 The step can be no faster than bytes / bandwidth (memory floor) nor FLOPs / peak (compute floor).
 At B = 1 the memory floor is far higher: decode is memory-bound.
 
-The rates are measured here (a large copy, a large matmul), so the floors they give are estimates, not
-bounds: a kernel that only reads, or one that the copy benchmark does not saturate, can beat them a little.
+The rates are measured here: the bandwidth as a long read (the largest of a tensor far larger than the
+caches: a decode step, too, reads weights and cache and writes almost nothing), the peak as a large
+matmul. A copy is the wrong measure for a read-only step: it counts read + written bytes, and on x86 each
+written line is first read as well, so its rate understates what a read can reach. The floors are still
+estimates from this machine's rates, not physical bounds.
 """
 from __future__ import annotations
 
@@ -51,9 +54,20 @@ def predict_kv_step_s(model, length: int, bandwidth: float, flops: float) -> flo
     return max(step_floors(model, 1, length, bandwidth, flops).values())
 
 
+def measure_read_bandwidth(n_bytes: int = 256 * 2**20, repeats: int = 5) -> float:
+    """Bytes per second that a long reduction reads: x.amax() over n_bytes of float32, far larger than a
+    CPU's caches. It writes one number, so this is the rate at which memory can feed a read-only pass, as a
+    decode step is; the floors of a step divide its bytes by this. (amax, not sum: torch's sum adds in a
+    cascade for accuracy, which on some CPUs keeps it below the memory's rate.)"""
+    x = torch.ones(n_bytes // 4)
+    t = median_time(lambda: x.amax(), repeats=repeats)
+    return n_bytes / t
+
+
 def measure_copy_bandwidth(n_bytes: int = 256 * 2**20, repeats: int = 5) -> float:
     """Bytes per second of a large tensor copy, counting bytes read + written. 256 MiB each way: far larger
-    than a CPU's caches, small enough to measure beside a loaded model on a laptop."""
+    than a CPU's caches, small enough to measure beside a loaded model on a laptop. The measure for work
+    that copies (notebook 04's repeated K/V); a read-only step's floor uses measure_read_bandwidth."""
     src = torch.ones(n_bytes // 4)
     dst = torch.empty_like(src)
     t = median_time(lambda: dst.copy_(src), repeats=repeats)
@@ -86,9 +100,12 @@ def measure_matvec_bandwidth(model, rows: int = 1, repeats: int = 10, fn=None, w
 
 
 def tensor_parallel_token_seconds(weight_bytes: int, world: int, collectives: int, sent_per_rank: int,
-                                  memory_bandwidth: float, link_bandwidth: float, collective_latency_s: float) -> float:
-    """An estimate of a memory-bound decode step split across `world` devices: each reads its share of the
-    weights at memory_bandwidth, then pays every collective's fixed latency and sends its bytes over the
-    link. (Assumes no overlap of communication with compute, so it errs on the slow side.)"""
-    return (weight_bytes / world / memory_bandwidth
+                                  memory_bandwidth: float, link_bandwidth: float, collective_latency_s: float,
+                                  step_overhead_s: float = 0.0) -> float:
+    """An estimate of a memory-bound decode step split across `world` devices: each pays the step's fixed
+    cost (step_overhead_s: launches, the host's work per token; every device launches every layer's kernels,
+    so splitting does not shrink it), reads its share of the weights at memory_bandwidth, then pays every
+    collective's fixed latency and sends its bytes over the link. (Assumes no overlap of communication with
+    compute, so it errs on the slow side.)"""
+    return (step_overhead_s + weight_bytes / world / memory_bandwidth
             + (collectives * collective_latency_s + sent_per_rank / link_bandwidth if world > 1 else 0.0))

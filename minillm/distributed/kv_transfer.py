@@ -106,7 +106,7 @@ def _drain(pool, num_blocks: int, src: int) -> None:
 
 def transfer_costs(rank: int, world: int, lengths: list[int], repeats: int = 5) -> dict | None:
     """Run in 2 ranks (run_ranks): rank 0 sends sequences of each length of SmolLM2's float32 K/V to rank 1,
-    `repeats` times; rank 0 returns {length: {"bytes", "seconds" (median)}}."""
+    `repeats` times, after one untimed transfer; rank 0 returns {length: {"bytes", "seconds" (median)}}."""
     import statistics
 
     from ..config import ModelConfig
@@ -115,6 +115,16 @@ def transfer_costs(rank: int, world: int, lengths: list[int], repeats: int = 5) 
     kv = KVCacheManager(BlockPool(cfg, num_blocks=-(-max(lengths) // 16) + 1, block_size=16))
     seq = Sequence(0)
     out = {}
+    for n in lengths[:1]:                        # untimed: the first messages open the ranks' connection
+        dist.barrier()
+        if rank == 0:
+            kv.reserve(seq, n)
+            send_sequence(kv, seq, dst=1)
+            dist.recv(torch.zeros(1), 1)
+        else:
+            recv_sequence(kv, seq, src=0)
+            dist.send(torch.zeros(1), 0)
+        kv.free(seq)
     for n in lengths:
         times = []
         for _ in range(repeats):
