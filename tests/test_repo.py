@@ -195,3 +195,12 @@ def test_every_notebook_predicts_a_number_before_measuring_it():
                 after = isinstance(measure, ast.Lambda) or (isinstance(measure, ast.Name) and measure.id in defined)
                 good.append(after and factor <= 1.3)
         assert any(good), f"{nb.name}: no prediction checked within 1.3x against a measurement made after it"
+
+
+def test_every_notebook_names_its_machine_in_its_first_output():
+    """A reader sees first which CPU every number below it came from."""
+    for nb in sorted((ROOT / "notebooks").glob("*.ipynb")):
+        outputs = next(c["outputs"] for c in json.loads(nb.read_text())["cells"] if c["cell_type"] == "code" and c["outputs"])
+        first = outputs[0]
+        text = "".join(first.get("text", "")) or "".join(first.get("data", {}).get("text/plain", ""))
+        assert "this machine" in text or "'cpu':" in text or "cores" in text, f"{nb.name}: first output {text[:80]!r}"
