@@ -204,3 +204,13 @@ def test_every_notebook_names_its_machine_in_its_first_output():
         first = outputs[0]
         text = "".join(first.get("text", "")) or "".join(first.get("data", {}).get("text/plain", ""))
         assert "this machine" in text or "'cpu':" in text or "cores" in text, f"{nb.name}: first output {text[:80]!r}"
+
+
+def test_every_committed_result_records_machine_commit_and_date():
+    """Each results JSON names its machine, the code that made it and when (results older than that
+    record say so, with the commit that committed them), so runs from different machines, days or
+    versions of the code are never read as one."""
+    for path in sorted((ROOT / "benchmarks" / "results").glob("*.json")):
+        result = json.loads(path.read_text())
+        missing = [k for k in ("machine", "commit", "date") if not result.get(k)]
+        assert not missing, f"{path.name} lacks {missing}"

@@ -75,8 +75,8 @@ def provenance() -> dict:
         except (OSError, subprocess.SubprocessError):
             return ""
     commit = git("rev-parse", "--short", "HEAD") or "unknown"
-    # changed code, not results or notebooks (which a benchmark neither runs nor reads)
-    dirty = git("status", "--porcelain", "--untracked-files=no", "--", ".", ":!benchmarks/results", ":!notebooks")
+    # changed code (the package, the benchmark scripts, the build), not results, notebooks or prose
+    dirty = git("status", "--porcelain", "--untracked-files=no", "--", "minillm", "benchmarks/*.py", "pyproject.toml")
     return {"commit": commit + (" + uncommitted changes" if dirty else ""),
             "date": time.strftime("%Y-%m-%d %H:%M UTC", time.gmtime())}
 

@@ -9,9 +9,10 @@ At B = 1 the memory floor is far higher: decode is memory-bound.
 
 The rates are measured here: the bandwidth as a long read (the largest of a tensor far larger than the
 caches: a decode step, too, reads weights and cache and writes almost nothing), the peak as a large
-matmul. A copy is the wrong measure for a read-only step: it counts read + written bytes, and on x86 each
-written line is first read as well, so its rate understates what a read can reach. The floors are still
-estimates from this machine's rates, not physical bounds.
+matmul. A copy is the wrong measure for a read-only step: it mixes a read stream and a written one (on
+x86 each written line is read first as well), which memory serves at another total rate than a single
+read, higher on some machines and lower on others. The floors are still estimates from this machine's
+rates, not physical bounds.
 """
 from __future__ import annotations
 
