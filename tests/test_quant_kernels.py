@@ -12,7 +12,7 @@ import torch
 import torch.nn.functional as F
 
 from minillm.kv import KVCache
-from minillm.quant import Int8Linear, Q4Linear, W8A8Linear
+from minillm.quant import Int8Linear, Q4Linear, Q4Weight, W8A8Linear
 from minillm.quant.linear import SMALL_ROWS, cpu_has_vnni, eight_bit_sums_overflow, kernel_agrees, quantize_q4_1
 from minillm.course.quality import KL_BOUND, heldout_ids, next_token_logprobs
 from minillm.stages import KVCacheRunner
@@ -60,6 +60,28 @@ def test_quantized_weights_are_close_to_the_float_ones(out, n):
     d = w4.scale.float().repeat_interleave(32, dim=1)
     assert ((w4.dequantize() - w).abs() <= d / 2 + 1e-3).all()                     # half a step (+ float16 m)
     assert rel_err(Q4Linear(w4).dequantize(), w4.dequantize()) < 5e-3               # the format's own values
+
+
+@pytest.mark.parametrize("group", [64, 128])
+@pytest.mark.parametrize("rows", [1, SMALL_ROWS + 1])
+def test_larger_groups_multiply_by_their_own_weight(group, rows):
+    """Groups of 64 or 128 ("q4" uses 64): one scale and minimum per group, the codes still packed in blocks
+    of 32; ATen's kernel (told the group), and the blocks a block-by-block kernel reads, give that weight."""
+    g = torch.Generator().manual_seed(group + rows)
+    w = torch.randn(128, 256, generator=g) * 0.05
+    w4 = quantize_q4_1(w, group)
+    assert w4.group == group and w4.scale.shape == (128, 256 // group)
+    assert ((w4.dequantize() - w).abs() <= w4.scale.float().repeat_interleave(group, 1) / 2 + 1e-3).all()
+    d, m = w4.per_block()                                                          # (out, in / 32) each
+    assert torch.equal(Q4Weight(w4.packed, d, m).dequantize(), w4.dequantize())
+    layer = Q4Linear(w4)
+    assert layer.cpu_kernel and layer.group == group
+    x = torch.randn(rows, 256, generator=g)
+    for many_rows in ("kernel", "dequantize"):
+        layer.many_rows = many_rows
+        assert rel_err(layer(x), F.linear(x, layer.dequantize())) < 1e-2
+    with pytest.raises(ValueError, match="multiple of 32"):
+        quantize_q4_1(w, 48)
 
 
 def test_codes_survive_the_kernel_layout():

@@ -88,7 +88,7 @@ class CQ4Linear(Q4Linear):
         """The layer with the C loop's copy of its codes, in tiles of 16 rows (`matvec.q4_tiles`); its rows
         must be a multiple of 16."""
         layer.__class__, layer.c_rows = cls, c_rows
-        tiles = matvec.q4_tiles(layer.codes(), layer.scale, layer.min)
+        tiles = matvec.q4_tiles(layer.codes(), *layer.weight4().per_block())   # d, m per block of 32
         for name, t in zip(("c_tiles", "c_scale", "c_min"), tiles):
             layer.register_buffer(name, t, persistent=False)          # not saved: the format's codes are
         return layer

@@ -2,7 +2,8 @@
 
     quantize_model(model, "int8")        weight-only int8, one scale per output row
     quantize_model(model, "w8a8")        int8 weights and activations (per token), SmoothQuant scales
-    quantize_model(model, "q4")          4-bit groups of 32, quantized here from the loaded weights
+    quantize_model(model, "q4")          4-bit groups of 64 (Q4_GROUP; 32 in a row of 64k + 32 weights),
+                                         quantized here from the loaded weights
     quantize_model(model, "q4_file")     the GGUF file's own Q4_1 blocks, bit for bit (no re-quantizing)
 
 The output head (the embedding matrix, tied) is kept at 8 bits in every format, as llama.cpp keeps it:
@@ -25,6 +26,8 @@ from .gguf_blocks import Q4Weight, read_q4_1
 from .linear import Int8Linear, Q4Linear, W8A8Linear
 
 FORMATS = ("int8", "w8a8", "q4", "q4_file")
+Q4_GROUP = 64       # "q4": weights per scale and minimum. Not the file's 32, so that "q4" rounds these weights
+                    # (the file's, already on a grid of 32) onto another grid, as quantizing a 16-bit model would
 RESCORE_TOP = 8     # the int8 head's largest logits recomputed in float32 (Int8Linear.rescore)
 LINEARS = (("attn", "wqkv"), ("attn", "wo"), ("mlp", "w_gate_up"), ("mlp", "w_down"))
 
@@ -75,7 +78,7 @@ def quantize_model(model, quant: str, path: str | Path | None = None, smooth: di
             elif quant == "w8a8":
                 layer = W8A8Linear(w, smooth.get(key) if smooth else None)
             elif quant == "q4":
-                layer = Q4Linear.from_float(w, device)
+                layer = Q4Linear.from_float(w, device, Q4_GROUP if w.shape[1] % Q4_GROUP == 0 else 32)
             else:
                 layer = Q4Linear(file_weights[key], device)
             setattr(parent, name, layer.to(device))

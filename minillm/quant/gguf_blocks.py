@@ -33,12 +33,25 @@ GROUP = 32      # weights per block, both formats
 @dataclass
 class Q4Weight:
     packed: torch.Tensor    # (out, in // 2) uint8: per block, 16 bytes of two codes each (see above)
-    scale: torch.Tensor     # (out, in // 32) float16: d
-    min: torch.Tensor       # (out, in // 32) float16: m
+    scale: torch.Tensor     # (out, in // group) float16: d
+    min: torch.Tensor       # (out, in // group) float16: m
 
     @property
     def shape(self) -> tuple[int, int]:
         return self.packed.shape[0], self.packed.shape[1] * 2
+
+    @property
+    def group(self) -> int:
+        """Weights per scale and minimum: 32 in the file; a multiple of 32 where `quantize_q4_1` chose more.
+        The codes are packed in blocks of 32 either way."""
+        return self.shape[1] // self.scale.shape[1]
+
+    def per_block(self) -> tuple[torch.Tensor, torch.Tensor]:
+        """d and m (out, in // 32), one per block of 32 codes (repeated where a group spans several blocks):
+        for kernels that walk the codes block by block."""
+        r = self.group // GROUP
+        return (self.scale, self.min) if r == 1 else (self.scale.repeat_interleave(r, 1),
+                                                      self.min.repeat_interleave(r, 1))
 
     def codes(self) -> torch.Tensor:
         """(out, in) uint8 codes 0..15, in weight order."""
@@ -47,9 +60,9 @@ class Q4Weight:
         return torch.cat([b & 0x0F, b >> 4], dim=-1).view(out, half * 2)   # low nibbles first, then high
 
     def dequantize(self) -> torch.Tensor:
-        """(out, in) float32: q * d + m per block, as llama.cpp computes it."""
+        """(out, in) float32: q * d + m per group, as llama.cpp computes it."""
         out, n = self.shape
-        q = self.codes().view(out, n // GROUP, GROUP).float()
+        q = self.codes().view(out, n // self.group, self.group).float()
         return (q * self.scale.float()[..., None] + self.min.float()[..., None]).view(out, n)
 
     def permute_rows(self, order: torch.Tensor) -> "Q4Weight":

@@ -6,8 +6,8 @@ on this device, chosen by measurement (`benchmarks/quantization.py`; the numbers
     Int8Linear   int8 weights, one scale per output row (weight-only): `_weight_int8pack_mm`.
     W8A8Linear   int8 weights *and* int8 activations, one scale per token: fbgemm's integer matmul
                  (`quantized::linear_dynamic`), the fastest CPU kernel at every row count measured.
-    Q4Linear     4 bits per weight in groups of 32 with a scale and a minimum (llama.cpp's Q4_1):
-                 `_weight_int4pack_mm_for_cpu`.
+    Q4Linear     4 bits per weight in groups (of 32: llama.cpp's Q4_1; or more) with a scale and a
+                 minimum per group: `_weight_int4pack_mm_for_cpu`.
 
 The weight-only kernels are fast for a few rows (a decode step). For many rows (a prompt) the choice
 depends on the CPU: where it multiplies bfloat16 matrices in hardware (AVX512-BF16 or AMX) the weight is
@@ -267,7 +267,8 @@ class W8A8Linear(nn.Module):
 
 
 class Q4Linear(nn.Module):
-    """4-bit weights in groups of 32 along a row: w = q * d + m, q in 0..15 (llama.cpp's Q4_1).
+    """4-bit weights in groups along a row: w = q * d + m, q in 0..15, one d and m per group (llama.cpp's
+    Q4_1 where the group is 32; `quantize_model(.., "q4")` uses groups of Q4_GROUP).
 
     `packed`, `scale` and `min` are the format's own codes and scales (`Q4Weight`: for q4_file, the
     file's bytes): the weight. On a CPU the kernel `_weight_int4pack_mm_for_cpu` gets its own copy of the
@@ -285,19 +286,23 @@ class Q4Linear(nn.Module):
         self.many_rows = default_many_rows()
         self.cpu_kernel = torch.device(device).type == "cpu" and out % 64 == 0   # the kernel packs 64 rows
         if self.cpu_kernel:
-            d, m = w4.scale.float(), w4.min.float()                              # (out, in / 32)
+            d, m = w4.scale.float(), w4.min.float()                              # (out, in / group)
             codes = w4.codes().to(torch.int32)                                   # (out, in) 0..15
             self.register_buffer("kernel_packed", torch._convert_weight_to_int4pack_for_cpu(codes, 1),
                                  persistent=False)
-            s_z = torch.stack([d, m + 8 * d], -1).transpose(0, 1).contiguous().bfloat16()   # (in / 32, out, 2)
+            s_z = torch.stack([d, m + 8 * d], -1).transpose(0, 1).contiguous().bfloat16()   # (in / group, out, 2)
             self.register_buffer("kernel_scale_zero", s_z, persistent=False)
             self.cpu_kernel = kernel_agrees(self._kernel, lambda a, b: Q4Weight(
                 w4.packed[a:b], w4.scale[a:b], w4.min[a:b]).dequantize(), "_weight_int4pack_mm_for_cpu")
 
     @classmethod
-    def from_float(cls, w: torch.Tensor, device="cpu") -> "Q4Linear":
-        """Quantize like llama.cpp's Q4_1: per group of 32, m = min, d = (max - min) / 15."""
-        return cls(quantize_q4_1(w), device)
+    def from_float(cls, w: torch.Tensor, device="cpu", group: int = GROUP) -> "Q4Linear":
+        """Quantize like llama.cpp's Q4_1: per group of `group` weights, m = min, d = (max - min) / 15."""
+        return cls(quantize_q4_1(w, group), device)
+
+    @property
+    def group(self) -> int:
+        return self.in_features // self.scale.shape[1]
 
     def weight4(self) -> Q4Weight:
         return Q4Weight(self.packed, self.scale, self.min)
@@ -311,16 +316,17 @@ class Q4Linear(nn.Module):
         if dtype == torch.float32:
             return self.weight4().dequantize()
         out, n = self.out_features, self.in_features
-        q = self.codes().view(out, n // GROUP, GROUP).to(dtype)                  # (out, in / 32, 32)
+        q = self.codes().view(out, n // self.group, self.group).to(dtype)        # (out, in / group, group)
         return (q * self.scale.to(dtype)[..., None] + self.min.to(dtype)[..., None]).view(out, n)
 
     def _kernel(self, x2: torch.Tensor) -> torch.Tensor:
-        return torch._weight_int4pack_mm_for_cpu(x2.bfloat16(), self.kernel_packed, GROUP, self.kernel_scale_zero)
+        return torch._weight_int4pack_mm_for_cpu(x2.bfloat16(), self.kernel_packed, self.group,
+                                                 self.kernel_scale_zero)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         if x.is_cuda:                                                            # Triton, the file's layout
             from .triton_matmul import q4_matmul
-            return q4_matmul(x, self.packed, self.scale, self.min)
+            return q4_matmul(x, self.packed, *self.weight4().per_block())     # d, m per block of 32
         x2 = _rows(x)                                                            # (rows, in)
         if self.cpu_kernel and x.device.type == "cpu" and (x2.shape[0] <= SMALL_ROWS or self.many_rows == "kernel"):
             y = self._kernel(x2)                                                 # (rows, out)
@@ -329,16 +335,17 @@ class Q4Linear(nn.Module):
         return y.to(x.dtype).view(*x.shape[:-1], self.out_features)
 
 
-def quantize_q4_1(w: torch.Tensor) -> Q4Weight:
-    """(out, in) float -> Q4Weight: groups of 32, d = (max - min) / 15, m = min, q = round((w - m) / d)."""
+def quantize_q4_1(w: torch.Tensor, group: int = GROUP) -> Q4Weight:
+    """(out, in) float -> Q4Weight: groups of `group` (a multiple of 32), d = (max - min) / 15, m = min,
+    q = round((w - m) / d). The codes are packed in blocks of 32 whatever the group."""
     out, n = w.shape
-    if n % GROUP:
-        raise ValueError(f"4-bit groups need rows of a multiple of {GROUP} weights, not {n}")
-    g = w.float().view(out, n // GROUP, GROUP)
+    if group % GROUP or n % group:
+        raise ValueError(f"4-bit groups are a multiple of {GROUP} weights that divides the row ({n}), not {group}")
+    g = w.float().view(out, n // group, group)
     lo, hi = g.amin(-1), g.amax(-1)                                              # (out, groups)
     d = ((hi - lo) / 15).half()
     m = lo.half()
     q = torch.round((g - m.float()[..., None]) / d.float().clamp_min(1e-12)[..., None]).clamp(0, 15)
-    q = q.to(torch.uint8).view(out, n // GROUP, 2, GROUP // 2)                   # weights j and j + 16
+    q = q.to(torch.uint8).view(out, n // GROUP, 2, GROUP // 2)                   # per block: weights j and j + 16
     packed = (q[:, :, 0] | (q[:, :, 1] << 4)).reshape(out, n // 2)               # low nibble: j; high: j + 16
     return Q4Weight(packed, d, m)
