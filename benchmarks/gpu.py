@@ -413,14 +413,16 @@ def part_quantized(ctx: Context) -> dict:
     from minillm.course.quality import compare, heldout_ids, next_token_logprobs
     from minillm.generate import generate
     from minillm.quant import FORMATS, quantize_model
+    from minillm.quant.apply import Q4_GROUP
     from minillm.sampling import SamplingParams
 
     tok, ids = ctx.tokenizer(), ctx.prompt()
-    held = ids * 4 if ctx.dry else heldout_ids(tok, max_tokens=256)
+    held = ids * 4 if ctx.dry else heldout_ids(tok)
     base = ctx.model()
     ref = next_token_logprobs(base, held)
     params = SamplingParams(max_tokens=8 if ctx.dry else 64, ignore_eos=True)
-    out = {"float32": {"decode_tokens_per_s": generate(base, tok, ids, params, stage="kv").decode_tokens_per_s}}
+    out = {"float32": {"decode_tokens_per_s": generate(base, tok, ids, params, stage="kv").decode_tokens_per_s},
+           "q4_group": Q4_GROUP}
     for fmt in (("int8", "q4") if ctx.dry else FORMATS):
         try:
             model = quantize_model(tiny_random_model(ctx.device), fmt) if ctx.dry else \

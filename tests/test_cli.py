@@ -39,7 +39,10 @@ def test_generate_speculative_json_reports_acceptance(stage):
     assert r.returncode == 0, r.stderr
     out = json.loads(r.stdout)
     assert out["token_ids"] == plain["token_ids"]                      # greedy: the same tokens
-    assert 0 < out["acceptance_rate"] <= 1 and out["mean_accepted_tokens"] > 0
+    if fixed:                                     # adaptive k may not draft at all on a loaded machine: it
+        assert 0 < out["acceptance_rate"] <= 1 and out["mean_accepted_tokens"] > 0   # prices drafts by measured steps
+    else:
+        assert 0 <= out["acceptance_rate"] <= 1 and out["mean_accepted_tokens"] >= 0
     assert out["speculative"] == "ngram" and out["num_speculative_tokens"] == 3
     assert out["adaptive_speculation"] is not fixed
 

@@ -239,3 +239,28 @@ def test_drafts_are_set_once_before_the_rows_are_planned():
     batch.logit_rows
     with pytest.raises(RuntimeError, match="already planned"):
         batch.set_drafts(0, 0)
+
+
+def test_priced_steps_splits_a_replay_into_decode_and_prompt_steps(tokenizer):
+    """Notebook 07 prices the steps the engine really ran: each timeline entry says its tokens and its
+    requests, so a step that carries prompt tokens is told from one that only decodes."""
+    import pytest
+
+    from minillm.course.bench_serve import WorkItem, replay_engine
+    from minillm.course.simulate import priced_steps
+    from minillm.model import Transformer
+
+    timeline = [(1.0, 2, 0, 10, 2), (1.5, 2, 0, 2, 2), (1.75, 1, 0, 2, 2), (2.0, 0, 0, 0, 0)]
+    got = priced_steps(timeline, [1, 10], [0.1, 1.0])
+    assert got["with a prompt"] == {"steps": 1, "measured_s": 1.0, "priced_s": 1.0}
+    assert got["decode only"]["steps"] == 2 and got["decode only"]["measured_s"] == pytest.approx(0.75)
+    assert got["decode only"]["priced_s"] == pytest.approx(0.4)
+
+    cfg = ModelConfig(n_layers=1, d_model=32, n_heads=2, n_kv_heads=1, head_dim=16, ffn_dim=64, vocab_size=tokenizer.vocab_size)
+    engine = LLMEngine(Transformer(cfg).eval(), tokenizer, max_num_seqs=2, kv_cache_memory=1 << 20, verbose=False)
+    items = [WorkItem(str(i), [5, 6, 7, 8][: 2 + i], 3 + i, 0.0) for i in range(3)]
+    rep = replay_engine(engine, items, progress=False)
+    kinds = priced_steps(rep.timeline, [1, 10], [0.1, 1.0])
+    assert sum(k["steps"] for k in kinds.values()) == sum(1 for x in rep.timeline if x[3])
+    assert kinds["with a prompt"]["steps"] >= 2          # two admissions at least: the first two, then the third
+    assert all(x[3] == x[4] or x[3] > x[4] for x in rep.timeline)   # tokens >= requests in every step

@@ -55,8 +55,8 @@ def _add_precision_args(p):
     p.add_argument("--dtype", default="float32", choices=list(DTYPES),
                    help="activations, norms and KV cache (and unquantized weights); default float32")
     p.add_argument("--quant", default=None, choices=list(FORMATS),
-                   help="quantized weights: int8 (weight-only), w8a8 (int8 activations too), q4 (4-bit), "
-                        "q4_file (the GGUF file's own 4-bit blocks); default: none")
+                   help="quantized weights: int8 (weight-only), w8a8 (int8 activations too), q4 (4-bit in groups "
+                        "of 64, re-quantized: lossy), q4_file (the GGUF file's own 4-bit blocks); default: none")
     p.add_argument("--kv-cache-dtype", default=None, choices=["int8", "int4"],
                    help="store the KV cache quantized (stages kv, flash, paged, continuous and the server); default: --dtype")
 

@@ -97,8 +97,10 @@ def machine_label(info: dict | None = None) -> str:
 
 
 def machine_caption(fig, info: dict | None = None, source: str = "measured live") -> None:
-    """Name the machine under a figure, small and grey: every number in it came from there."""
-    fig.text(0.995, 0.005, f"{source}: {machine_label(info)}", ha="right", va="bottom", fontsize=7, color="gray")
+    """Name the machine under a figure, small and grey: every number in it came from there. The line hangs
+    just below the figure's edge, under every axis label (a notebook draws the figure with its bounding box
+    fitted to what it holds, so the line is kept)."""
+    fig.text(0.995, 0, f"{source}: {machine_label(info)}", ha="right", va="top", fontsize=7, color="gray")
 
 
 def timed_on(model) -> str:

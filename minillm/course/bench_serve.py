@@ -59,7 +59,8 @@ class Record:
 class Replay:
     records: dict[str, Record]
     duration_s: float
-    timeline: list[tuple[float, int, int, int]]   # after each step: (seconds, running, waiting, tokens in it)
+    timeline: list[tuple[float, int, int, int, int]]   # after each step: (seconds, running, waiting, tokens in it,
+                                                       # requests in it)
     prefix_cache_hit_rate: float | None = None     # prompt tokens found in the cache / looked up
 
 
@@ -113,7 +114,8 @@ def replay_engine(engine, items: list[WorkItem], max_concurrency: int | None = N
             continue
         outs = engine.step()
         st = engine.stats()
-        timeline.append((time.perf_counter() - t0, st["running"], st["waiting"], st["tokens_last_step"]))
+        timeline.append((time.perf_counter() - t0, st["running"], st["waiting"], st["tokens_last_step"],
+                         len(batch.requests) if (batch := getattr(engine, "last_batch", None)) else st["running"]))
         for out in outs:
             if out.finished:
                 m = out.metrics
@@ -184,7 +186,7 @@ def replay_transformers(hf_model, items: list[WorkItem], batch_size: int, pad_id
         for w, s in zip(batch, sent):
             records[w.request_id] = Record(w.output_len, [t - s for t in steps[:w.output_len]], True,
                                            s - t0, started - s)
-        timeline.append((time.perf_counter() - t0, len(batch), len(pending), len(batch)))
+        timeline.append((time.perf_counter() - t0, len(batch), len(pending), len(batch), len(batch)))
         bar.update(len(batch))
     duration = time.perf_counter() - t0
     bar.close()

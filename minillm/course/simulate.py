@@ -129,3 +129,19 @@ def predicted_seconds(steps: list[SimStep], cost_tokens: list[int], cost_seconds
     """A simulated schedule priced step by step: each step's time interpolated from measured
     (tokens in a step, seconds) points."""
     return sum(float(np.interp(sum(s.tokens.values()), cost_tokens, cost_seconds)) for s in steps)
+
+
+def priced_steps(timeline: list[tuple], cost_tokens: list[int], cost_seconds: list[float]) -> dict[str, dict]:
+    """A measured run's steps (a replay's timeline: seconds after each step, running, waiting, tokens in it,
+    requests in it) against the same prices as `predicted_seconds`, in two kinds: decode-only steps (one token
+    per request) and steps that carry prompt tokens. {kind: {"steps", "measured_s", "priced_s"}}."""
+    out = {kind: {"steps": 0, "measured_s": 0.0, "priced_s": 0.0} for kind in ("decode only", "with a prompt")}
+    before = 0.0
+    for t, _running, _waiting, tokens, requests in timeline:
+        if tokens:
+            kind = out["decode only" if tokens == requests else "with a prompt"]
+            kind["steps"] += 1
+            kind["measured_s"] += t - before
+            kind["priced_s"] += float(np.interp(tokens, cost_tokens, cost_seconds))
+        before = t
+    return out

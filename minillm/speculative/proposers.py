@@ -198,8 +198,8 @@ _copies: weakref.WeakKeyDictionary = weakref.WeakKeyDictionary()     # model -> 
 
 
 def quantized_copy(model, quant: str):
-    """The model with its weights quantized to `quant`, made once per model and format: a draft that agrees
-    with the model on most tokens and reads a fraction of its bytes. "int8", "q4" and "w8a8" (no SmoothQuant
+    """The model with its weights quantized to `quant`, made once per model and format: a draft that reads a
+    fraction of the model's bytes and agrees with it as far as its format allows (notebook 12 measures each). "int8", "q4" and "w8a8" (no SmoothQuant
     scales) quantize the model's own weights; "q4_file" takes the course model's GGUF blocks."""
     from ..quant import check_format, quantize_model
 
