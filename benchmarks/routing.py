@@ -1,4 +1,5 @@
-"""Model routing on this machine: the 4-bit copy answers, the float32 model only when the answer looks unsure.
+"""Model routing on this machine: a quantized copy answers (the 4-bit one by default), the float32 model only when
+the answer looks unsure.
 
     python benchmarks/routing.py [--max-tokens 48] [--repeats 2] [--out benchmarks/results/cpu_routing.json]
 
