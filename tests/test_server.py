@@ -353,3 +353,14 @@ def test_the_engine_steps_on_the_thread_that_built_it(model, tokenizer):
     assert outs[-1].finished and len(outs[-1].token_ids) == 3
     assert stepped_on == {built_on}
     assert not aengine.healthy
+
+
+def test_text_workload_starts_where_asked_and_wraps(tmp_path):
+    """Runs one after another (notebook 11's rates) take different prompts: `start` picks the first line."""
+    from minillm.course.bench_http import load_text_workload
+
+    path = tmp_path / "w.jsonl"
+    path.write_text("".join(json.dumps({"prompt": f"q{i}"}) + "\n" for i in range(5)))
+    assert [w.prompt for w in load_text_workload(path, 3, start=0)] == ["q0", "q1", "q2"]
+    assert [w.prompt for w in load_text_workload(path, 3, start=3)] == ["q3", "q4", "q0"]
+    assert [w.prompt for w in load_text_workload(path, 7, start=6)] == ["q1", "q2", "q3", "q4", "q0", "q1", "q2"]

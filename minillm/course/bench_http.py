@@ -37,14 +37,16 @@ from .bench_serve import Record, Replay, WorkItem
 
 
 def load_text_workload(path, num_requests: int = 64, max_tokens: int = 64, request_rate: float = math.inf,
-                       seed: int = 0) -> list[WorkItem]:
-    """Text prompts from a .jsonl file: {"prompt": str} or {"messages": [...]} per line, optional "max_tokens"."""
+                       seed: int = 0, start: int = 0) -> list[WorkItem]:
+    """Text prompts from a .jsonl file: {"prompt": str} or {"messages": [...]} per line, optional "max_tokens";
+    from line `start` on (wrapping round), so that runs one after another can send different prompts."""
     path = Path(path)
     if not path.is_file():
         raise ValueError(f"workload file {path} does not exist")
     rows = [json.loads(line) for line in path.read_text().splitlines() if line.strip()]
     if not rows or not all(isinstance(r, dict) and ("prompt" in r or "messages" in r) for r in rows):
         raise ValueError(f"{path}: every line must be a JSON object with 'prompt' (text) or 'messages'")
+    rows = rows[start % len(rows):] + rows[:start % len(rows)]
     rows = (rows * -(-num_requests // len(rows)))[:num_requests]
     rng, t, items = random.Random(seed), 0.0, []
     for i, r in enumerate(rows):
