@@ -76,3 +76,16 @@ def test_nothing_asks_a_helper_to_skip_its_warmup():
     offenders = [f"{p.relative_to(ROOT)}: {m.group(0)}" for p in files
                  for m in re.finditer(r"warmup\s*=\s*(0|False)\b", p.read_text())]
     assert not offenders, offenders
+
+
+def test_run_times_calls_before_outside_the_timed_region():
+    """`before` (evicting the caches, say) runs before every timed call and is not in its time."""
+    import time
+
+    from minillm.course.timing import evict_caches, run_times
+
+    calls = []
+    times = run_times(lambda: calls.append("fn"), repeats=3, before=lambda: (calls.append("before"), time.sleep(0.2)))
+    assert calls == ["fn", "before", "fn", "before", "fn", "before", "fn"]     # one warm-up call first
+    assert max(times) < 0.1
+    evict_caches(mib=4)                                                        # reads its buffer; returns nothing

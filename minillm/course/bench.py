@@ -97,10 +97,31 @@ def machine_label(info: dict | None = None) -> str:
 
 
 def machine_caption(fig, info: dict | None = None, source: str = "measured live") -> None:
-    """Name the machine under a figure, small and grey: every number in it came from there. The line hangs
-    just below the figure's edge, under every axis label (a notebook draws the figure with its bounding box
-    fitted to what it holds, so the line is kept)."""
-    fig.text(0.995, 0, f"{source}: {machine_label(info)}", ha="right", va="top", fontsize=7, color="gray")
+    """Name the machine under a figure, small and grey: every number in it came from there. The line is
+    placed when the figure is drawn, just under everything else it draws (axis labels, tick labels,
+    legends), wherever the layout put them: it never covers a label, and a notebook, which fits the image to
+    what the figure holds, keeps it."""
+    from matplotlib.text import Text
+
+    class Caption(Text):
+        def _place(self, renderer) -> None:
+            boxes = [a.get_tightbbox(renderer) for a in fig.axes]
+            boxes += [t.get_window_extent(renderer) for t in fig.texts if t is not self and t.get_visible()]
+            boxes += [g.get_window_extent(renderer) for g in fig.legends]
+            bottom = min((b.y0 for b in boxes if b is not None and b.height > 0), default=0.0)   # display units
+            self.set_y(fig.transFigure.inverted().transform((0, bottom - 3))[1])   # 3 pixels under it
+
+        def draw(self, renderer):
+            self._place(renderer)
+            super().draw(renderer)
+
+        def get_window_extent(self, renderer=None, dpi=None):
+            if renderer is not None:
+                self._place(renderer)
+            return super().get_window_extent(renderer, dpi)
+
+    fig.add_artist(Caption(0.995, 0, f"{source}: {machine_label(info)}", ha="right", va="top", fontsize=7,
+                           color="gray"))
 
 
 def timed_on(model) -> str:

@@ -30,12 +30,30 @@ def _time_call(fn, device=None) -> float:
     return time.perf_counter() - t0
 
 
-def run_times(fn, repeats: int = 5, warmup: int = 1, device=None) -> list[float]:
-    """Wall time of each of `repeats` calls of fn(), in seconds, after `warmup` (at least 1) untimed calls."""
+def run_times(fn, repeats: int = 5, warmup: int = 1, device=None, before=None) -> list[float]:
+    """Wall time of each of `repeats` calls of fn(), in seconds, after `warmup` (at least 1) untimed calls.
+    before: called, untimed, before each call (e.g. `evict_caches`)."""
     require_warmup(warmup)
     for _ in range(warmup):
         fn()
-    return [_time_call(fn, device) for _ in range(repeats)]
+    times = []
+    for _ in range(repeats):
+        if before is not None:
+            before()
+        times.append(_time_call(fn, device))
+    return times
+
+
+_EVICT: list[torch.Tensor] = []
+
+
+def evict_caches(mib: int = 128) -> None:
+    """Read `mib` MiB of other data, so that what the next timed call reads comes from memory and not from a
+    CPU cache, as a decode step's weights do (they are far larger than any cache). 128 MiB is several times
+    the last-level cache of most CPUs a course runs on; the buffer is made once and kept."""
+    if not _EVICT or _EVICT[0].numel() != mib << 18:
+        _EVICT[:] = [torch.ones(mib << 18)]                            # mib MiB of float32
+    _EVICT[0].amax()
 
 
 def alternate(fns: dict, rounds: int = 5, warmup: int = 1, device=None) -> dict[str, list[float]]:
