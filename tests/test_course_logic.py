@@ -266,3 +266,26 @@ def test_step_timers_give_every_repeat_and_their_median(tokenizer):
     assert len(decode) == 4 and len(prefill) == 3 and all(t > 0 for t in decode + prefill)
     assert decode_step_seconds(model, tokenizer, batch=2, context=5, steps=3) > 0
     assert statistics.median(prefill) > 0
+
+
+def test_machine_caption_sits_under_every_label_and_is_kept():
+    """The caption that names the machine is placed when the figure is drawn, under the axis labels and a
+    figure legend, wherever the layout put them, and inside the image a notebook saves (a tight box)."""
+    import io
+
+    import matplotlib
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    from minillm.course.bench import machine_caption
+
+    fig, axes = plt.subplots(1, 2, figsize=(6, 2.5))
+    axes[0].plot([1, 2]); axes[0].set_xlabel("tokens in the pass (k + 1)")
+    machine_caption(fig, {"cpu": "Test CPU", "cpu_capability": "AVX2", "cores": 2, "threads": 2, "memory_gib": 8})
+    fig.tight_layout()                                      # after the caption, as many notebook cells do
+    fig.savefig(io.BytesIO(), bbox_inches="tight")          # draws it
+    renderer = fig.canvas.get_renderer()
+    caption = next(a for a in fig.artists if "Test CPU" in a.get_text())
+    label = axes[0].xaxis.label.get_window_extent(renderer)
+    assert caption.get_window_extent(renderer).y1 <= label.y0
+    plt.close(fig)

@@ -44,16 +44,11 @@ def run_times(fn, repeats: int = 5, warmup: int = 1, device=None, before=None) -
     return times
 
 
-_EVICT: list[torch.Tensor] = []
-
-
-def evict_caches(mib: int = 128) -> None:
-    """Read `mib` MiB of other data, so that what the next timed call reads comes from memory and not from a
-    CPU cache, as a decode step's weights do (they are far larger than any cache). 128 MiB is several times
-    the last-level cache of most CPUs a course runs on; the buffer is made once and kept."""
-    if not _EVICT or _EVICT[0].numel() != mib << 18:
-        _EVICT[:] = [torch.ones(mib << 18)]                            # mib MiB of float32
-    _EVICT[0].amax()
+def evict_caches(mib: int = 64) -> None:
+    """Write and read `mib` MiB of other data, so that what the next timed call reads comes from memory and
+    not from a CPU cache, as a decode step's weights do (they are far larger than any cache). The default is
+    twice a 32 MiB last-level cache; the buffer is freed again at once."""
+    torch.ones(mib << 18).amax()                                       # mib MiB of float32
 
 
 def alternate(fns: dict, rounds: int = 5, warmup: int = 1, device=None) -> dict[str, list[float]]:
