@@ -76,6 +76,7 @@ def test_larger_groups_multiply_by_their_own_weight(group, rows):
     assert torch.equal(Q4Weight(w4.packed, d, m).dequantize(), w4.dequantize())
     layer = Q4Linear(w4)
     assert layer.cpu_kernel and layer.group == group
+    assert torch.equal(layer.block_scale, d) and torch.equal(layer.block_min, m)   # the GPU kernel's, made once
     x = torch.randn(rows, 256, generator=g)
     for many_rows in ("kernel", "dequantize"):
         layer.many_rows = many_rows

@@ -283,6 +283,9 @@ class Q4Linear(nn.Module):
         self.in_features, self.out_features = n, out
         for name in ("packed", "scale", "min"):                                  # the format, as stored
             self.register_buffer(name, getattr(w4, name).to(device))
+        if w4.group != GROUP:                    # the GPU kernel walks blocks of 32: a d and m per block, made once
+            for name, t in zip(("block_scale", "block_min"), w4.per_block()):
+                self.register_buffer(name, t.to(device), persistent=False)
         self.many_rows = default_many_rows()
         self.cpu_kernel = torch.device(device).type == "cpu" and out % 64 == 0   # the kernel packs 64 rows
         if self.cpu_kernel:
@@ -302,7 +305,7 @@ class Q4Linear(nn.Module):
 
     @property
     def group(self) -> int:
-        return self.in_features // self.scale.shape[1]
+        return self.weight4().group
 
     def weight4(self) -> Q4Weight:
         return Q4Weight(self.packed, self.scale, self.min)
@@ -326,7 +329,8 @@ class Q4Linear(nn.Module):
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         if x.is_cuda:                                                            # Triton, the file's layout
             from .triton_matmul import q4_matmul
-            return q4_matmul(x, self.packed, *self.weight4().per_block())     # d, m per block of 32
+            per_block = (self.block_scale, self.block_min) if self.group != GROUP else (self.scale, self.min)
+            return q4_matmul(x, self.packed, *per_block)                        # d, m per block of 32
         x2 = _rows(x)                                                            # (rows, in)
         if self.cpu_kernel and x.device.type == "cpu" and (x2.shape[0] <= SMALL_ROWS or self.many_rows == "kernel"):
             y = self._kernel(x2)                                                 # (rows, out)
