@@ -41,6 +41,17 @@ def test_in_place_changes_and_errors_are_reported(capsys):
     assert "raised AttributeError" in out and "nosuchmethod" in out
 
 
+def test_a_kv_size_that_ignores_the_windows_gets_a_hint(capsys):
+    from minillm.course.exercises import check_kv_bytes
+
+    def every_layer_full(cfg, tokens, bytes_per_value, windows):
+        return tokens * cfg.n_layers * cfg.n_kv_heads * cfg.head_dim * 2 * bytes_per_value
+    assert not check_kv_bytes(every_layer_full)
+    out = capsys.readouterr().out
+    assert "✓ SmolLM2, every layer full" in out and "a windowed layer keeps only its last tokens" in out
+    assert "against every layer full" not in out                 # the summary waits for a right answer
+
+
 def test_the_sampling_explorer_redraws_when_a_slider_moves(model, tokenizer):
     from minillm.course.widgets import SamplingExplorer, describe
 
@@ -64,11 +75,11 @@ def _answers():
     from minillm.course.exercises.kv_cache import reference_kv_append
     from minillm.course.exercises.model import reference_causal_attention
 
-    def online(m, l, acc, s, v):
-        m_new = torch.maximum(m, s.max())
+    def online(m, l, acc, s, v):                    # the notebook's answer: a tile of rows at once
+        m_new = torch.maximum(m, s.amax(-1))
         m_safe = torch.where(torch.isinf(m_new), torch.zeros_like(m_new), m_new)
-        a, p = torch.exp(m - m_safe), torch.exp(s - m_safe)
-        return m_new, l * a + p.sum(), acc * a + p @ v
+        alpha, p = torch.exp(m - m_safe), torch.exp(s - m_safe[:, None])
+        return m_new, l * alpha + p.sum(-1), acc * alpha[:, None] + p @ v
 
     def merge(outs, lses):
         w = torch.exp(lses - lses.max())
@@ -82,7 +93,8 @@ def _answers():
     return {"check_rms_norm": lambda x, w, eps: F.rms_norm(x, (x.shape[-1],), w, eps),
             "check_causal_attention": reference_causal_attention,
             "check_kv_append": reference_kv_append,
-            "check_kv_bytes": lambda cfg, t, b: t * cfg.n_layers * cfg.n_kv_heads * cfg.head_dim * 2 * b,
+            "check_kv_bytes": lambda cfg, t, b, windows: sum(t if w is None else min(t, w) for w in windows)
+                                                   * cfg.n_kv_heads * cfg.head_dim * 2 * b,
             "check_repeat_kv": lambda k, g: k.repeat_interleave(g, dim=1),
             "check_gqa_decode": gqa_decode,
             "check_online_softmax": online,
@@ -222,6 +234,7 @@ def test_every_exercise_passes_its_answer_and_fails_a_stub(capsys):
                  "check_schedule", "check_accept_draft",                            # test_exercises_engine_pieces.py
                  "check_prediction", "check_ridge_batch",                           # test_course_logic.py
                  "check_attention_in_model", "check_kv_append_in_model",            # test_exercises_in_model.py
+                 "check_online_tile_in_model",
                  "check_schedule_in_engine", "check_verify_in_engine",
                  "check_block_pool", "check_block_pool_in_engine",
                  "check_decode_kernel", "check_decode_kernel_in_model"}

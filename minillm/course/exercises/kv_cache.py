@@ -55,21 +55,43 @@ def check_kv_append(fn) -> bool:
     return run_checks(fn, cases, "your KV append")
 
 
+def reference_kv_bytes(cfg: ModelConfig, tokens: int, bytes_per_value: int, windows: list) -> int:
+    """Bytes of K and V for `tokens` tokens when layer i keeps at most windows[i] of them (None: all)."""
+    per_token = cfg.n_kv_heads * cfg.head_dim * 2 * bytes_per_value          # one layer's K and V, one token
+    return sum(tokens if w is None else min(tokens, w) for w in windows) * per_token
+
+
 def check_kv_bytes(fn) -> bool:
-    """fn(cfg, tokens, bytes_per_value) -> bytes of K and V for `tokens` tokens."""
+    """fn(cfg, tokens, bytes_per_value, windows) -> bytes of K and V, windows[i] the tokens layer i keeps."""
     smol = ModelConfig()
-    llama8b = ModelConfig(n_layers=32, d_model=4096, n_heads=32, n_kv_heads=8, head_dim=128, ffn_dim=14336)
-    mha = dataclasses.replace(smol, n_kv_heads=smol.n_heads)
+    gemma = ModelConfig(n_layers=62, d_model=5376, n_heads=32, n_kv_heads=16, head_dim=128, ffn_dim=21504)
+    oss = ModelConfig(n_layers=24, d_model=2880, n_heads=64, n_kv_heads=8, head_dim=64, ffn_dim=2880)
+    five_to_one = [None if (i + 1) % 6 == 0 else 1024 for i in range(gemma.n_layers)]   # 5 windowed : 1 full
+    alternating = [128 if i % 2 == 0 else None for i in range(oss.n_layers)]
+    setups = [("SmolLM2, every layer full, 8,192 tokens, float32", smol, 8192, 4, [None] * smol.n_layers),
+              ("SmolLM2, a 4,096-token window on every layer, 8,192 tokens", smol, 8192, 4, [4096] * smol.n_layers),
+              ("SmolLM2, 1,024-token windows, a prompt shorter than the window", smol, 300, 4, [1024] * smol.n_layers),
+              ("shaped like Gemma 3 27B: 5 layers of 1,024-token windows to 1 full, 32K tokens, bfloat16",
+               gemma, 32768, 2, five_to_one),
+              ("shaped like gpt-oss-20b: 128-token windows and full layers alternating, 100K tokens, bfloat16",
+               oss, 100_000, 2, alternating)]
     cases = []
-    for name, cfg, tokens, nbytes, dtype in [("SmolLM2, 1 token, float32", smol, 1, 4, torch.float32),
-                                             ("SmolLM2, 8,192 tokens, float32", smol, 8192, 4, torch.float32),
-                                             ("SmolLM2 with 9 KV heads (MHA), 100 tokens", mha, 100, 4, torch.float32),
-                                             ("an 8B Llama, 4,096 tokens, bfloat16", llama8b, 4096, 2, torch.bfloat16)]:
-        def run(fn, cfg=cfg, tokens=tokens, nbytes=nbytes, dtype=dtype):
-            got, want = fn(cfg, tokens, nbytes), kv_cache_bytes(cfg, tokens, dtype)
+    for name, cfg, tokens, nbytes, windows in setups:
+        def run(fn, cfg=cfg, tokens=tokens, nbytes=nbytes, windows=windows):
+            got, want = fn(cfg, tokens, nbytes, windows), reference_kv_bytes(cfg, tokens, nbytes, windows)
             if got == want:
                 return None
-            hint = " (K and V: times 2)" if got * 2 == want else " (per KV head, not per query head)" if got == want * cfg.n_heads // cfg.n_kv_heads else ""
+            full = reference_kv_bytes(cfg, tokens, nbytes, [None] * cfg.n_layers)
+            hint = (" (K and V: times 2)" if got * 2 == want else
+                    " (per KV head, not per query head)" if got == want * cfg.n_heads // cfg.n_kv_heads else
+                    " (that is every layer full: a windowed layer keeps only its last tokens)" if got == full else
+                    " (a windowed layer keeps min(tokens, window): never more than it was given)" if got < want else "")
             return f"got {got:,} bytes, expected {want:,}{hint}"
         cases.append(Case(name, run))
-    return run_checks(fn, cases, "your KV size formula")
+    passed = run_checks(fn, cases, "your KV size")
+    if passed:
+        print("\nwhat the windows keep, against every layer full:")
+        for name, cfg, tokens, nbytes, windows in setups:
+            kept, full = (reference_kv_bytes(cfg, tokens, nbytes, w) for w in (windows, [None] * cfg.n_layers))
+            print(f"  {kept / 2**20:6,.0f} MiB of {full / 2**20:6,.0f} MiB ({kept / full:4.0%})  {name}")
+    return passed
