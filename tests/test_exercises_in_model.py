@@ -5,7 +5,9 @@ import math
 import torch
 
 from minillm.course.exercises import (check_attention_in_model, check_block_pool, check_block_pool_in_engine,
-                                      check_kv_append_in_model, check_schedule_in_engine, check_verify_in_engine)
+                                      check_kv_append_in_model, check_online_softmax, check_online_tile_in_model,
+                                      check_schedule_in_engine, check_verify_in_engine)
+from minillm.course.exercises.flash import reference_online_tile
 from minillm.course.exercises.engine import _engine_schedule
 from minillm.course.exercises.kv_cache import reference_kv_append
 from minillm.course.exercises.model import reference_causal_attention
@@ -31,6 +33,27 @@ def test_attention_in_every_head_gives_the_naive_tokens(model, tokenizer, capsys
     assert not check_attention_in_model(no_mask, model, prompt, want, tokenizer)
     out = capsys.readouterr().out
     assert out.startswith("✗ your causal attention, inside the model: token 0 is") and "reference:" in out
+
+
+def test_an_online_softmax_tile_drives_a_tiled_attention_in_every_layer(model, tokenizer, capsys):
+    prompt, want = _reference(model, tokenizer)
+    want = want[:4]                              # enough for blocks of 4 to span several tiles
+    assert check_online_tile_in_model(reference_online_tile, model, prompt, want, tokenizer, block=4)
+    assert "✓ your online-softmax tile, inside the model" in capsys.readouterr().out
+
+    def forgets_to_rescale(m, l, acc, s, v):     # right for the first tile only
+        m_new = torch.maximum(m, s.amax(-1))
+        p = torch.exp(s - torch.where(torch.isinf(m_new), 0.0, m_new)[:, None])
+        return m_new, l + p.sum(-1), acc + p @ v
+    assert not check_online_tile_in_model(forgets_to_rescale, model, prompt, want, tokenizer, block=4)
+    assert "✗ your online-softmax tile, inside the model: token" in capsys.readouterr().out
+
+    def no_guard(m, l, acc, s, v):               # -inf - (-inf) for a row with no key in its first tile
+        m_new = torch.maximum(m, s.amax(-1))
+        alpha, p = torch.exp(m - m_new), torch.exp(s - m_new[:, None])
+        return m_new, l * alpha + p.sum(-1), acc * alpha[:, None] + p @ v
+    assert not check_online_softmax(no_guard)
+    assert "must keep its state" in capsys.readouterr().out
 
 
 def test_a_kv_append_drives_stage_2(model, tokenizer, capsys):

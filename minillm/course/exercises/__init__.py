@@ -9,6 +9,7 @@ and returns True when everything passes. It never raises, so a notebook runs on 
                  check_kv_append_in_model                                (in_model.py)
     notebook 04  check_repeat_kv, check_gqa_decode                       (gqa.py), check_ridge_batch (predict.py)
     notebook 05  check_online_softmax, check_merge_splits                (flash.py)
+                 check_online_tile_in_model                              (in_model.py)
                  check_decode_kernel, check_decode_kernel_in_model       (triton_decode.py: Triton)
     notebook 06  check_slot_lookup, check_blocks_needed                  (paged.py)
                  check_block_pool, check_block_pool_in_engine            (block_pool.py)
@@ -33,8 +34,8 @@ from .distributed import check_qkv_shard, check_ring_all_reduce, check_transfer_
 from .engine import check_decode_steps, check_pack, check_schedule
 from .flash import check_merge_splits, check_online_softmax
 from .gqa import check_gqa_decode, check_repeat_kv
-from .in_model import (check_attention_in_model, check_kv_append_in_model, check_schedule_in_engine,
-                       check_verify_in_engine)
+from .in_model import (check_attention_in_model, check_kv_append_in_model, check_online_tile_in_model,
+                       check_schedule_in_engine, check_verify_in_engine)
 from .kv_cache import check_kv_append, check_kv_bytes
 from .model import check_causal_attention, check_rms_norm
 from .paged import check_blocks_needed, check_slot_lookup
@@ -51,7 +52,7 @@ __all__ = [
     "Case", "check_accept_draft", "check_block_pool", "check_block_pool_in_engine", "check_attention_in_model", "check_blocks_needed", "check_cached_tokens", "check_causal_attention",
     "check_chain", "check_chunk_mask", "check_chunk_sizes", "check_decode_kernel", "check_decode_kernel_in_model", "check_decode_steps", "check_dequantize_q4_1",
     "check_gqa_decode", "check_int8_rows", "check_kv_append", "check_kv_append_in_model", "check_kv_bytes", "check_lru", "check_merge_splits",
-    "check_min_p", "check_online_softmax", "check_pack", "check_parse_sse", "check_percentile", "check_prediction",
+    "check_min_p", "check_online_softmax", "check_online_tile_in_model", "check_pack", "check_parse_sse", "check_percentile", "check_prediction",
     "check_qkv_shard", "check_repeat_kv", "check_residual", "check_ridge_batch", "check_ring_all_reduce",
     "check_rms_norm", "check_rope_roll", "check_schedule", "check_schedule_in_engine", "check_slot_lookup", "check_step_split", "check_top_p",
     "check_transfer_bytes", "check_verify_greedy", "check_verify_in_engine", "run_checks",

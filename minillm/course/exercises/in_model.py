@@ -2,6 +2,8 @@
 
     check_attention_in_model    notebook 01: the learner's causal attention for one head, in every head of
                                 every layer of the naive loop (stage 1)
+    check_online_tile_in_model  notebook 05: the learner's online-softmax tile step, in a tiled attention that
+                                runs every head of every layer of the naive loop (stage 1)
     check_kv_append_in_model    notebook 03: the learner's cache append, in every layer, at the prompt and
                                 at every decode step (stage 2)
     check_schedule_in_engine    notebook 07: the learner's scheduler step deciding every step of an
@@ -68,6 +70,17 @@ def check_attention_in_model(fn, model, prompt_ids: list[int], reference: list[i
     def step(ids):                                  # the prompt, then one token a call
         return runner.decode(ids[0]) if runner.seqs else runner.prefill(ids)
     return _greedy_match(step, prompt_ids, reference, tok, "your causal attention")
+
+
+def check_online_tile_in_model(fn, model, prompt_ids: list[int], reference: list[int], tok, block: int = 16) -> bool:
+    """fn(m, l, acc, s, v): one key tile of the online softmax, driving a tiled attention (blocks of `block`
+    queries and keys) in every head of every layer of the naive loop; its greedy tokens must be `reference`."""
+    from .flash import tiled_with
+    runner = NaiveRunner(model, attn_fn=tiled_with(fn, block))
+
+    def step(ids):
+        return runner.decode(ids[0]) if runner.seqs else runner.prefill(ids)
+    return _greedy_match(step, prompt_ids, reference, tok, "your online-softmax tile")
 
 
 class _YourCache:
