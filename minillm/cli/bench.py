@@ -79,7 +79,7 @@ def cmd_bench_http(args) -> None:
 
 
 def cmd_bench_serve(args) -> None:
-    from ..course.bench import load_prompts, load_transformers_peer, machine_info, prompt_ids
+    from ..course.bench import load_prompts, load_transformers_peer, machine_info, prompt_ids, provenance
     from ..course.bench_serve import load_workload, run_serve_bench
 
     if args.url is not None:
@@ -122,5 +122,5 @@ def cmd_bench_serve(args) -> None:
                 "max_output_tokens": max(w.output_len for w in items),
                 "max_num_batched_tokens": args.max_num_batched_tokens,
                 "shared_prefix_tokens": args.shared_prefix_tokens, "prefix_caching": not args.no_prefix_caching}
-    print(json.dumps({"machine": machine_info(), "workload": workload, "results": results, "quality": quality,
+    print(json.dumps({"machine": machine_info(), **provenance(), "workload": workload, "results": results, "quality": quality,
                       "backend": backend_report(model)}))
