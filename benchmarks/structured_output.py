@@ -10,7 +10,8 @@
    Beside each llguidance mask, the cost of applying it: the bitmask unpacked to one bool per token and
    the banned logits set to -inf.
 2. The engine: a decode-only step at batch 1 and 32, every request with a grammar and with none,
-   the two taking turns round by round; and the share of the constrained step spent computing masks.
+   the two taking turns step by step (the ratio is the median of step-by-step ratios, with its quartiles);
+   and the share of the constrained step spent computing the masks and turning them into logit biases.
 Notebook 11 plots the result.
 """
 from __future__ import annotations
@@ -166,29 +167,40 @@ def decoding(model, tok, B: int, grammar: str | None, prompt_tokens: int) -> LLM
 
 
 def engine_steps(model, tok, batches, rounds: int, steps: int, prompt_tokens: int) -> dict:
+    """Per batch size: an engine whose requests decode under a grammar and one whose requests decode freely,
+    their steps taking turns one by one (so a slow second of the machine hits both), and the share of the
+    constrained step spent in `_grammar_masks`: computing the masks and turning them into logit biases."""
     grammar = structured.json_schema_grammar(ENGINE_SCHEMA)
     walls = {(B, g): [] for B in batches for g in (False, True)}
     masks = {B: [] for B in batches}
-    todo = [(B, g) for _ in range(rounds) for B in batches for g in (False, True)]
-    for B, constrained in tqdm(todo, desc="engine steps", file=sys.stderr):
-        engine = decoding(model, tok, B, grammar if constrained else None, prompt_tokens)
-        inner = engine._grammar_masks
+    for B in batches:
+        for _ in tqdm(range(rounds), desc=f"engine steps, batch {B}", file=sys.stderr):
+            engines = {g: decoding(model, tok, B, grammar if g else None, prompt_tokens) for g in (False, True)}
+            inner = engines[True]._grammar_masks
 
-        def timed_masks(*args, _inner=inner, _B=B):           # the mask's share of a step, timed from outside
-            t0 = time.perf_counter()
-            out = _inner(*args)
-            masks[_B].append(time.perf_counter() - t0)
-            return out
-        engine._grammar_masks = timed_masks
-        engine.step()                                          # warm-up
-        for _ in range(steps):
-            walls[B, constrained].append(timed(engine.step))
-            assert engine.last_batch.total_tokens == B
-        assert all(not r.finished for r in engine.requests.values())
+            def timed_masks(*args, _inner=inner, _B=B):           # the mask's share of a step, timed from outside
+                t0 = time.perf_counter()
+                out = _inner(*args)
+                masks[_B].append(time.perf_counter() - t0)
+                return out
+            engines[True]._grammar_masks = timed_masks
+            for e in engines.values():
+                e.step()                                           # warm-up
+            masks[B].pop()                                         # the warm-up step's masks: not counted
+            for _ in range(steps):
+                for g, e in engines.items():                       # taking turns, step by step
+                    walls[B, g].append(timed(e.step))
+                    assert e.last_batch.total_tokens == B
+            for e in engines.values():
+                assert all(not r.finished for r in e.requests.values())
+            del engines
     out = {}
     for B in batches:
         free, con = ms(walls[B, False]), ms(walls[B, True])
-        out[f"b{B}"] = {"step_ms_free": free, "step_ms_grammar": con, "grammar_over_free": con / free,
+        ratios = [c / f for f, c in zip(walls[B, False], walls[B, True])]      # step by step
+        q = statistics.quantiles(ratios, n=4)
+        out[f"b{B}"] = {"step_ms_free": free, "step_ms_grammar": con, "grammar_over_free": statistics.median(ratios),
+                        "grammar_over_free_quartiles": [q[0], q[2]], "steps": len(ratios),
                         "mask_ms_in_step": ms(masks[B]), "mask_share_of_step": ms(masks[B]) / con}
     return out
 
@@ -196,7 +208,7 @@ def engine_steps(model, tok, batches, rounds: int, steps: int, prompt_tokens: in
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     ap.add_argument("--rounds", type=int, default=3)
-    ap.add_argument("--steps", type=int, default=8, help="timed decode steps per engine and round")
+    ap.add_argument("--steps", type=int, default=12, help="timed decode steps per engine and round")
     ap.add_argument("--prompt-tokens", type=int, default=100)
     ap.add_argument("--threads", type=int, default=None)
     ap.add_argument("--out", default=str(Path(__file__).parent / "results" / "cpu_structured_output.json"))
