@@ -64,8 +64,9 @@ def test_replay_finishes_every_request_and_paged_runs_more_at_once():
     r = {p: replay_concurrency(trace, budget, p, block_size=16, max_len=4096) for p in ("oracle", "paged")}
     tokens = sum(t["output_tokens"] for t in trace)
     for policy, res in r.items():
-        assert res["mean_running"] * res["steps"] >= tokens           # every token was generated (paged: some twice)
-    assert r["oracle"]["preemptions"] == 0
+        assert res["answer_tokens"] == tokens
+        assert res["mean_running"] * res["steps"] >= tokens + res["regenerated_tokens"]   # paged: some twice
+    assert r["oracle"]["preemptions"] == 0 and r["oracle"]["regenerated_tokens"] == 0
     assert r["paged"]["mean_running"] > r["oracle"]["mean_running"]
     with pytest.raises(ValueError, match="more than the budget"):
         replay_concurrency([{"prompt_tokens": 10, "output_tokens": 1}], 5, "oracle")

@@ -88,7 +88,8 @@ def replay_concurrency(trace: list[dict], budget_tokens: int, policy: str, block
     the contiguous ones of `reserved_slots` (admit when the reservation fits, hold it to the end), or
     "paged" (admit when the prompt's blocks fit, grow block by block; when a sequence cannot grow, the
     most recently admitted one is preempted: its blocks are freed and it starts over later).
-    Returns {"steps", "mean_running", "max_running", "preemptions"}."""
+    Returns {"steps", "mean_running", "max_running", "preemptions", "regenerated_tokens" (answer tokens a
+    preemption threw away, generated again one step at a time), "answer_tokens" (the trace's, once each)}."""
     from collections import deque
 
     waiting = deque(range(len(trace)))
@@ -96,7 +97,7 @@ def replay_concurrency(trace: list[dict], budget_tokens: int, policy: str, block
     done = {}                                    # request -> tokens generated so far
     free = budget_tokens
     pool = BlockPool(None, num_blocks=budget_tokens // block_size, block_size=block_size) if policy == "paged" else None
-    steps = total_running = max_running = preemptions = 0
+    steps = total_running = max_running = preemptions = regenerated = 0
     while waiting or running:
         while waiting:                           # admit in order while the head fits
             i = waiting[0]
@@ -127,6 +128,7 @@ def replay_concurrency(trace: list[dict], budget_tokens: int, policy: str, block
                     pool.free_seq(victim)
                     waiting.appendleft(victim)
                     preemptions += 1
+                    regenerated += done[victim]          # its answer so far: generated again, step by step
                     if victim == i:
                         break
                 if i not in running:
@@ -140,4 +142,5 @@ def replay_concurrency(trace: list[dict], budget_tokens: int, policy: str, block
                 else:
                     free += reserved_slots(trace[i], policy, **kw)
     return {"steps": steps, "mean_running": total_running / steps, "max_running": max_running,
-            "preemptions": preemptions}
+            "preemptions": preemptions, "regenerated_tokens": regenerated,
+            "answer_tokens": sum(r["output_tokens"] for r in trace)}
