@@ -181,16 +181,17 @@ def show_quantized(run: dict) -> None:
         base = q["float32"]["decode_tokens_per_s"]
         print(f"{'format':>8} {'KL':>8} {'tok/s':>7}")
         print(f"{'float32':>8} {'':>8} {base:>7.0f}")
+        old_q4 = q.get("q4_group", 32) == 32          # a run from before q4 took groups of 64
         for fmt, r in q.items():
-            if fmt in ("float32", "seconds", "q4_group"):
+            if fmt in ("float32", "seconds", "q4_group") or (fmt == "q4" and old_q4):
                 continue
             if "error" in r:
                 print(f"{fmt:>8}: {r['error']}")
             else:
                 print(f"{fmt:>8} {r['kl']:>8.4f} {r['decode_tokens_per_s']:>7.0f}   "
-                      f"{versus(r['decode_tokens_per_s'], base)} float32's rate"
-                      + ("   (groups of 32 in this run: the file's codes again)" if fmt == "q4" and
-                         q.get("q4_group", 32) == 32 else ""))
+                      f"{versus(r['decode_tokens_per_s'], base)} float32's rate")
+        if old_q4 and "q4" in q:
+            print("(q4 is left out: this run predates its groups of 64, so its q4 was the file's codes, q4_file again)")
     if d is not None and "bfloat16" in d["dtype"]:
         f32, bf16 = d["dtype"]["float32"], d["dtype"]["bfloat16"]
         for key, what in (("one_stream_tokens_per_s", "one stream"), ("batch_64_tokens_per_s", "64 streams")):
