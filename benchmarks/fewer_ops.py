@@ -68,7 +68,7 @@ def main() -> None:
                             "speed_vs_after": statistics.median(ratios),
                             "after_step_ms": after * 1e3,
                             "same_tokens_as_after": tokens[s] == tokens["after"]})
-    print(json.dumps({"machine": machine_info(), **provenance(), "prompt_tokens": len(ids), "steps": args.steps,
+    print(json.dumps({"machine": machine_info(), **provenance(), "backend": "torch", "prompt_tokens": len(ids), "steps": args.steps,
                       "results": results}, indent=1))
 
 
