@@ -84,7 +84,8 @@ MEASURED = re.compile(
     r"|%)"                                                                 # a share
     r"|(?<![\w.,$])\d+\.\d+\s?(?:GiB|MiB|KiB|GB|MB|KB)\b")                 # a size as measured
 FACTS = {   # notebook -> phrases that hold on every machine, each with its reason
-    "01": ["less than 16×"],         # the prediction of the cell before: 16 tokens for one read of the weights
+    "01": ["less than 16×",          # the prediction of the cell before: 16 tokens for one read of the weights
+           "within 1.2×"],           # exercise 3's tolerance, a setting
     "03": ["99% of gaps"],           # what a p99 is
     "04": ["3× less cache",          # 9 query heads over 3 KV heads
            "cache 3× against MHA",
@@ -93,6 +94,7 @@ FACTS = {   # notebook -> phrases that hold on every machine, each with its reas
     "05": ["about **8×** less traffic", "(≈ 8× with 64-row blocks)", "The 8× counts only"],   # 8 × BLOCK_M / D with BLOCK_M = D = 64
     "06": ["95% of its memory",      # 200 tokens of 4,096 reserved
            "2–4× the throughput"],   # the PagedAttention paper's own result, cited
+    "09": ["within 3%"],             # exercise 4's tolerance, a setting
     "10": ["40 % of the time", "10 %"],                     # the worked example's own probabilities
     "12": ["150 % off",              # what reading the other layout does to a weight, by construction
            "takes 31 %", "6 % for"],   # bytes per value of each format
