@@ -115,16 +115,20 @@ class BlockPool:
         table, length, bs = self.tables[seq], self.lengths[seq], self.block_size
         if n > 0 and length % bs and self.refcount[table[-1]] > 1:   # copy-on-write
             old, new = table[-1], self._take()
-            if self.copy_log is not None:                           # for pools that must copy too
-                self.copy_log.append((old, new, length % bs))
-            if self.k is not None:
-                self.k[:, new, : length % bs] = self.k[:, old, : length % bs]
-                self.v[:, new, : length % bs] = self.v[:, old, : length % bs]
+            self._copy_block(old, new, length % bs)
             self._release(old)
             table[-1] = new
         while len(table) < self.blocks_for(length + n):
             table.append(self._take())
         self.lengths[seq] = length + n
+
+    def _copy_block(self, old: int, new: int, tokens: int) -> None:
+        """Copy the first `tokens` slots of K/V from block old to block new (copy-on-write), and log it."""
+        if self.copy_log is not None:                               # for pools that must copy too
+            self.copy_log.append((old, new, tokens))
+        if self.k is not None:
+            self.k[:, new, :tokens] = self.k[:, old, :tokens]
+            self.v[:, new, :tokens] = self.v[:, old, :tokens]
 
     def fork(self, parent: int, child: int) -> None:
         """`child` shares every block of `parent` (no copy, no new block)."""

@@ -35,11 +35,7 @@ class _YourPool(BlockPool):
         self._release(block)
 
     def copy_block(self, old: int, new: int, tokens: int) -> None:
-        if self.copy_log is not None:
-            self.copy_log.append((old, new, tokens))
-        if self.k is not None:
-            self.k[:, new, :tokens] = self.k[:, old, :tokens]
-            self.v[:, new, :tokens] = self.v[:, old, :tokens]
+        self._copy_block(old, new, tokens)                # BlockPool's own copy-on-write copy
         self.copies += 1
 
     def grow(self, seq: int, n: int = 1) -> None:
