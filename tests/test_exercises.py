@@ -201,8 +201,8 @@ def _engine_answers():
     def transfer(n, bs, layers, n_kv, hd, nbytes):
         return 2 * layers * ((n - 1) // bs * bs) * n_kv * hd * nbytes
 
-    def rope_roll(x, cos, sin):
-        return (x * cos + x.roll(x.shape[-1] // 2, dims=-1) * sin).to(x.dtype)
+    def rope_interleaved(x, cos, sin):
+        return (x * cos + x.unflatten(-1, (-1, 2)).flip(-1).flatten(-2) * sin).to(x.dtype)
 
     def step_split(events, wall):
         parts = {"matmul": 0.0, "attention": 0.0, "other": 0.0}
@@ -222,7 +222,7 @@ def _engine_answers():
             "check_chain": chain, "check_cached_tokens": cached_tokens, "check_verify_greedy": verify,
             "check_residual": residual, "check_parse_sse": parse_sse, "check_percentile": pct,
             "check_int8_rows": int8_rows, "check_dequantize_q4_1": q4_1,
-            "check_rope_roll": rope_roll, "check_step_split": step_split}
+            "check_rope_interleaved": rope_interleaved, "check_step_split": step_split}
 
 
 def test_every_exercise_passes_its_answer_and_fails_a_stub(capsys):
@@ -283,13 +283,18 @@ def test_distributed_exercises_say_what_is_wrong(capsys):
 
 
 def test_step_exercises_say_what_is_wrong(capsys):
-    from minillm.course.exercises import check_rope_roll, check_step_split
+    from minillm.course.exercises import check_rope_interleaved, check_step_split
 
-    def unsigned(x, cos, sin):                               # negates the first half again: sin already does
-        x1, x2 = x.chunk(2, dim=-1)
-        return (x * cos + torch.cat([-x2, x1], dim=-1) * sin).to(x.dtype)
-    assert not check_rope_roll(unsigned)
-    assert "sin already carries the minus sign" in capsys.readouterr().out
+    def halves(x, cos, sin):                                 # rotate-half's pairing, not neighbours
+        return (x * cos + x.roll(x.shape[-1] // 2, dims=-1) * sin).to(x.dtype)
+    assert not check_rope_interleaved(halves)
+    assert "pairs with" in capsys.readouterr().out
+
+    def glued(x, cos, sin):                                  # right, by taking the pairs apart and stacking them
+        a, b = x[..., 0::2], x[..., 1::2]
+        return (x * cos + torch.stack((b, a), dim=-1).flatten(-2) * sin).to(x.dtype)
+    assert not check_rope_interleaved(glued)
+    assert "it calls stack" in capsys.readouterr().out
 
     def by_name_only(events, wall):                          # ignores what an operator runs inside
         parts = {"matmul": 0.0, "attention": 0.0, "other": 0.0}

@@ -22,7 +22,7 @@ and returns True when everything passes. It never raises, so a notebook runs on 
     notebook 11  check_parse_sse, check_percentile                       (serving.py)
     notebook 12  check_int8_rows, check_dequantize_q4_1                  (quant.py)
     notebook 13  check_qkv_shard, check_transfer_bytes, check_ring_all_reduce (distributed.py)
-    notebook 14  check_rope_roll, check_step_split                       (step.py)
+    notebook 14  check_rope_interleaved, check_step_split                (step.py)
 
 `check_prediction` (predict.py) serves the predict-a-number exercise of notebooks 01-03 and 05-14: the
 learner's number against what the notebook measured in the same run.
@@ -45,7 +45,7 @@ from .quant import check_dequantize_q4_1, check_int8_rows
 from .sampling import check_min_p, check_top_p
 from .serving import check_parse_sse, check_percentile
 from .speculative import check_accept_draft, check_residual, check_verify_greedy
-from .step import check_rope_roll, check_step_split
+from .step import check_rope_interleaved, check_step_split
 from .triton_decode import check_decode_kernel, check_decode_kernel_in_model
 
 __all__ = [
@@ -54,6 +54,6 @@ __all__ = [
     "check_gqa_decode", "check_int8_rows", "check_kv_append", "check_kv_append_in_model", "check_kv_bytes", "check_lru", "check_merge_splits",
     "check_min_p", "check_online_softmax", "check_online_tile_in_model", "check_pack", "check_parse_sse", "check_percentile", "check_prediction",
     "check_qkv_shard", "check_repeat_kv", "check_residual", "check_ridge_batch", "check_ring_all_reduce",
-    "check_rms_norm", "check_rope_roll", "check_schedule", "check_schedule_in_engine", "check_slot_lookup", "check_step_split", "check_top_p",
+    "check_rms_norm", "check_rope_interleaved", "check_schedule", "check_schedule_in_engine", "check_slot_lookup", "check_step_split", "check_top_p",
     "check_transfer_bytes", "check_verify_greedy", "check_verify_in_engine", "run_checks",
 ]
