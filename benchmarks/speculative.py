@@ -43,6 +43,7 @@ def engine_runs(model, tok, tasks, batches: list[int], max_tokens: int, repeats:
     import time
 
     from minillm import LLM
+    from minillm.backends import backend_of
     from minillm.sampling import SamplingParams
     from minillm.speculative import adaptive
 
@@ -50,7 +51,8 @@ def engine_runs(model, tok, tasks, batches: list[int], max_tokens: int, repeats:
     params = SamplingParams(max_tokens=max_tokens)
     rows = []
     for b in batches:
-        engines = {i: LLM(model, tok, max_num_seqs=b, speculative=spec, num_speculative_tokens=k or 4,
+        engines = {i: LLM(model, tok, backend=backend_of(model), max_num_seqs=b, speculative=spec,
+                          num_speculative_tokens=k or 4,
                           adaptive_speculation="adaptive" in mode, verbose=False)
                    for i, (spec, k, *mode) in enumerate(systems)}
         rates: dict[int, list[float]] = {i: [] for i in engines}

@@ -201,6 +201,11 @@ def _engine_answers():
     def transfer(n, bs, layers, n_kv, hd, nbytes):
         return 2 * layers * ((n - 1) // bs * bs) * n_kv * hd * nbytes
 
+    def lookup_speedup(tokens_per_pass, k_run, k, pass_cost):
+        from minillm.course.speculative_bench import alpha_from_tokens_per_pass
+        from minillm.speculative import expected_tokens_per_step
+        return expected_tokens_per_step(alpha_from_tokens_per_pass(tokens_per_pass, k_run), k) / pass_cost[k + 1]
+
     def rope_interleaved(x, cos, sin):
         return (x * cos + x.unflatten(-1, (-1, 2)).flip(-1).flatten(-2) * sin).to(x.dtype)
 
@@ -222,7 +227,7 @@ def _engine_answers():
             "check_chain": chain, "check_cached_tokens": cached_tokens, "check_verify_greedy": verify,
             "check_residual": residual, "check_parse_sse": parse_sse, "check_percentile": pct,
             "check_int8_rows": int8_rows, "check_dequantize_q4_1": q4_1,
-            "check_rope_interleaved": rope_interleaved, "check_step_split": step_split}
+            "check_rope_interleaved": rope_interleaved, "check_lookup_speedup": lookup_speedup, "check_step_split": step_split}
 
 
 def test_every_exercise_passes_its_answer_and_fails_a_stub(capsys):
@@ -303,3 +308,12 @@ def test_step_exercises_say_what_is_wrong(capsys):
         return parts | {"python": wall - sum(parts.values())}
     assert not check_step_split(by_name_only)
     assert "attention" in capsys.readouterr().out
+
+
+def test_a_lookup_speedup_that_carries_the_wrong_number_over_is_named(capsys):
+    from minillm.course.exercises import check_lookup_speedup
+
+    assert not check_lookup_speedup(lambda tpp, k_run, k, cost: min(tpp, k + 1) / cost[k + 1])
+    assert "tokens per pass depend on k" in capsys.readouterr().out
+    assert not check_lookup_speedup(lambda tpp, k_run, k, cost: (1 + (tpp - 1) / k_run * k) / cost[k + 1])
+    assert "the share of drafts accepted falls as k grows" in capsys.readouterr().out

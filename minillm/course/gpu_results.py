@@ -73,8 +73,9 @@ def show_decode(run: dict) -> list[dict] | None:
     big = [r["fraction_of_copy_bandwidth"] for r in p["rows"] if r["bytes_read"] >= 100e6]
     if big:
         print(f"\nWith at least 100 MB to read the kernel reaches {min(big):.0%} to {max(big):.0%} of the copy's "
-              f"bandwidth. Below that no call takes less than {floor * 1e3:.0f} µs: the time of launching it from "
-              f"Python (two kernels and their buffers), which a CUDA graph removes.")
+              f"bandwidth. Below that no call takes less than {floor * 1e3:.0f} µs: a fixed cost per call (launching "
+              f"two kernels and their buffers from Python, and a grid too small to fill the GPU), which a CUDA graph "
+              f"shrinks.")
     return p["rows"]
 
 

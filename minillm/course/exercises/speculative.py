@@ -179,3 +179,37 @@ def check_accept_draft(fn) -> bool:
 
 def _short(t: torch.Tensor) -> list[float]:
     return [round(float(v), 3) for v in t]
+
+
+def reference_lookup_speedup(tokens_per_pass: float, k_run: int, k: int, pass_cost: dict) -> float:
+    """The speedup of a free proposer at k drafts, from a run at k_run: alpha (per judged draft) carries over."""
+    from ...speculative import expected_tokens_per_step
+    from ..speculative_bench import alpha_from_tokens_per_pass
+
+    alpha = alpha_from_tokens_per_pass(tokens_per_pass, k_run)
+    return expected_tokens_per_step(alpha, k) / pass_cost[k + 1]
+
+
+def check_lookup_speedup(fn) -> bool:
+    """fn(tokens_per_pass, k_run, k, pass_cost) -> speedup at k, on made-up runs: right within 1%, and the two
+    tempting shortcuts (tokens per pass, or the share of drafts accepted, carried over from k_run) named."""
+    costs = {T: 1.0 + 0.15 * (T - 1) for T in range(1, 10)}          # a pass over T tokens / a one-token step
+    cases = []
+    for name, tpp, k_run, k in [("a run at k = 4, predicted at k = 2", 2.6, 4, 2),
+                                ("a run at k = 2, predicted at k = 6", 2.2, 2, 6),
+                                ("drafts that always agree (α = 1)", 5.0, 4, 3),
+                                ("drafts that never agree", 1.0, 4, 2)]:
+        def run(fn, tpp=tpp, k_run=k_run, k=k):
+            got, want = float(fn(tpp, k_run, k, dict(costs))), reference_lookup_speedup(tpp, k_run, k, costs)
+            if abs(got / want - 1) < 0.01:
+                return None
+            share = (tpp - 1) / k_run                                   # drafts accepted / drafted
+            if abs(got - min(tpp, k + 1) / costs[k + 1]) < 1e-6 * want:
+                return (f"got {got:.3f}, expected {want:.3f}: tokens per pass depend on k; carry over what does "
+                        "not (section 7)")
+            if abs(got - (1 + share * k) / costs[k + 1]) < 1e-6 * want:
+                return (f"got {got:.3f}, expected {want:.3f}: the share of drafts accepted falls as k grows; carry "
+                        "over the chance a judged draft is accepted (section 7)")
+            return f"got {got:.3f}, expected {want:.3f}"
+        cases.append(Case(name, run))
+    return run_checks(fn, cases, "your speedup formula")
