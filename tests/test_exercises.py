@@ -1,4 +1,6 @@
 """The exercise checks: they pass minillm's own answers, and tell a learner what is wrong with a wrong one."""
+import math
+
 import torch
 
 from minillm.course.exercises import check_min_p, check_top_p
@@ -52,6 +54,34 @@ def test_a_kv_size_that_ignores_the_windows_gets_a_hint(capsys):
     assert "against every layer full" not in out                 # the summary waits for a right answer
 
 
+def test_a_merge_that_forgets_its_lse_or_divides_zero_by_zero_is_named(capsys):
+    from minillm.course.exercises import check_merge_states
+
+    def keeps_the_larger_lse(o1, lse1, o2, lse2):     # the output is right; the lse cannot be merged again
+        m = torch.maximum(lse1, lse2)
+        w1, w2 = torch.exp(lse1 - m), torch.exp(lse2 - m)
+        return (w1[:, None] * o1 + w2[:, None] * o2) / (w1 + w2)[:, None], m
+    assert not check_merge_states(keeps_the_larger_lse)
+    out = capsys.readouterr().out
+    assert "the merged lse is off" in out and "nan" in out     # and -inf - -inf = nan on two empty sides
+
+
+def test_a_gqa_decode_that_copies_or_tiles_the_heads_is_named(capsys):
+    from minillm.attention import naive_attention
+    from minillm.course.exercises import check_gqa_decode
+
+    assert not check_gqa_decode(naive_attention)                # right numbers, but it repeats K and V
+    assert "K and V must be read where they are" in capsys.readouterr().out
+
+    def tiled(q, k, v):                                          # head h reads KV head h % n_kv
+        B, H, _, hd = q.shape
+        qg = q.view(B, H // k.shape[1], k.shape[1], hd).transpose(1, 2)          # (B, n_kv, group, hd)
+        probs = torch.softmax(qg @ k.transpose(-2, -1) / math.sqrt(hd), dim=-1)
+        return (probs @ v).transpose(1, 2).reshape(B, H, 1, hd)
+    assert not check_gqa_decode(tiled)
+    assert "h // group" in capsys.readouterr().out
+
+
 def test_the_sampling_explorer_redraws_when_a_slider_moves(model, tokenizer):
     from minillm.course.widgets import SamplingExplorer, describe
 
@@ -81,9 +111,11 @@ def _answers():
         alpha, p = torch.exp(m - m_safe), torch.exp(s - m_safe[:, None])
         return m_new, l * alpha + p.sum(-1), acc * alpha[:, None] + p @ v
 
-    def merge(outs, lses):
-        w = torch.exp(lses - lses.max())
-        return (w[:, None] * outs).sum(0) / w.sum()
+    def merge(o1, lse1, o2, lse2):
+        m = torch.maximum(lse1, lse2)
+        m = torch.where(torch.isinf(m), torch.zeros_like(m), m)
+        w1, w2 = torch.exp(lse1 - m), torch.exp(lse2 - m)
+        return (w1[:, None] * o1 + w2[:, None] * o2) / (w1 + w2).clamp_min(1e-300)[:, None], m + torch.log(w1 + w2)
 
     def gqa_decode(q, k, v):
         B, H, _, hd = q.shape
@@ -95,10 +127,9 @@ def _answers():
             "check_kv_append": reference_kv_append,
             "check_kv_bytes": lambda cfg, t, b, windows: sum(t if w is None else min(t, w) for w in windows)
                                                    * cfg.n_kv_heads * cfg.head_dim * 2 * b,
-            "check_repeat_kv": lambda k, g: k.repeat_interleave(g, dim=1),
             "check_gqa_decode": gqa_decode,
             "check_online_softmax": online,
-            "check_merge_splits": merge,
+            "check_merge_states": merge,
             "check_slot_lookup": lambda t, bs, p: t[p // bs] * bs + p % bs,
             "check_blocks_needed": lambda n, k, bs: -(-(n + k) // bs) - -(-n // bs),
             **_engine_answers()}
@@ -130,12 +161,21 @@ def _engine_answers():
                 logit_rows.append(len(positions) - 1)
         return positions, k_lens, logit_rows
 
-    def chunk_sizes(prompt_len, budget, decodes):
-        sizes, left = [], prompt_len
-        while left:
-            sizes.append(min(left, budget - decodes))
-            left -= sizes[-1]
-        return sizes
+    def chunk_plan(prompt_lens, budget, decodes):
+        left, plan = list(prompt_lens), []
+        while any(left):
+            room, step = budget - decodes, {}
+            for i in range(len(left)):
+                if room == 0:
+                    break
+                if left[i] == 0:              # its prompt is done: it decodes, one token
+                    room -= 1
+                    continue
+                step[i] = min(left[i], room)
+                left[i] -= step[i]
+                room -= step[i]
+            plan.append(step)
+        return plan
 
     def chain(ids, bs):
         out = []
@@ -185,11 +225,11 @@ def _engine_answers():
         scale = w.abs().amax(dim=1).clamp_min(1e-12) / 127
         return torch.round(w / scale[:, None]).to(torch.int8), scale
 
-    def q4_1(packed, d, m):
-        out, half = packed.shape
-        b = packed.view(out, half // 16, 16)
-        q = torch.cat([b & 0x0F, b >> 4], dim=-1).float()
-        return (q * d.float()[..., None] + m.float()[..., None]).view(out, half * 2)
+    def q4_1(raw):
+        out, blocks, _ = raw.shape
+        d, m = (raw[..., a:a + 2].contiguous().view(torch.float16).float() for a in (0, 2))   # (out, blocks, 1)
+        q = torch.cat([raw[..., 4:] & 0x0F, raw[..., 4:] >> 4], dim=-1).float()               # (out, blocks, 32)
+        return (q * d + m).view(out, blocks * 32)
 
     def qkv_shard(w, n_heads, n_kv, hd, rank, world):
         h, kv = n_heads // world, n_kv // world
@@ -222,11 +262,11 @@ def _engine_answers():
                 parts["other"] += ms
         return parts | {"python": wall - sum(parts.values())}
 
-    return {"check_qkv_shard": qkv_shard, "check_transfer_bytes": transfer, "check_decode_steps": decode_steps, "check_pack": pack, "check_chunk_sizes": chunk_sizes,
+    return {"check_qkv_shard": qkv_shard, "check_transfer_bytes": transfer, "check_decode_steps": decode_steps, "check_pack": pack, "check_chunk_plan": chunk_plan,
             "check_chunk_mask": lambda start, n: torch.ones(n, start + n, dtype=torch.bool).tril(diagonal=start),
             "check_chain": chain, "check_cached_tokens": cached_tokens, "check_verify_greedy": verify,
             "check_residual": residual, "check_parse_sse": parse_sse, "check_percentile": pct,
-            "check_int8_rows": int8_rows, "check_dequantize_q4_1": q4_1,
+            "check_int8_rows": int8_rows, "check_read_q4_1": q4_1,
             "check_rope_interleaved": rope_interleaved, "check_lookup_speedup": lookup_speedup, "check_step_split": step_split}
 
 
@@ -254,7 +294,7 @@ def test_every_exercise_passes_its_answer_and_fails_a_stub(capsys):
 
 
 def test_engine_exercises_say_what_is_wrong(capsys):
-    from minillm.course.exercises import check_cached_tokens, check_dequantize_q4_1, check_residual
+    from minillm.course.exercises import check_cached_tokens, check_read_q4_1, check_residual
 
     def all_full_blocks(addresses, cached, n, bs):           # forgets that the last token must be computed
         hits = next((i for i, a in enumerate(addresses) if a not in cached), len(addresses))
@@ -262,13 +302,21 @@ def test_engine_exercises_say_what_is_wrong(capsys):
     assert not check_cached_tokens(all_full_blocks)
     assert "the last token must be computed" in capsys.readouterr().out
 
-    def interleaved(packed, d, m):                           # reads a byte's two nibbles as neighbours
-        out, half = packed.shape
-        b = packed.view(out, half // 16, 16)
-        q = torch.stack([b & 0x0F, b >> 4], -1).reshape(out, half // 16, 32).float()
-        return (q * d.float()[..., None] + m.float()[..., None]).view(out, half * 2)
-    assert not check_dequantize_q4_1(interleaved)
+    def interleaved(raw):                                    # reads a byte's two nibbles as neighbours
+        out, blocks, _ = raw.shape
+        d, m = (raw[..., a:a + 2].contiguous().view(torch.float16).float() for a in (0, 2))   # (out, blocks, 1)
+        q = torch.stack([raw[..., 4:] & 0x0F, raw[..., 4:] >> 4], -1).reshape(out, blocks, 32).float()
+        return (q * d + m).view(out, blocks * 32)
+    assert not check_read_q4_1(interleaved)
     assert "low nibble" in capsys.readouterr().out
+
+    def scales_swapped(raw):                                 # m first, then d
+        out, blocks, _ = raw.shape
+        m, d = (raw[..., a:a + 2].contiguous().view(torch.float16).float() for a in (0, 2))
+        q = torch.cat([raw[..., 4:] & 0x0F, raw[..., 4:] >> 4], -1).float()
+        return (q * d + m).view(out, blocks * 32)
+    assert not check_read_q4_1(scales_swapped)
+    assert "first 4 bytes" in capsys.readouterr().out
 
     assert not check_residual(lambda p, q: (p - q).clamp_min(0))
     assert "normalize" in capsys.readouterr().out

@@ -5,6 +5,8 @@ import traceback
 from dataclasses import dataclass
 from typing import Callable
 
+import torch
+
 
 @dataclass
 class Case:
@@ -39,3 +41,15 @@ def learner_failed(e: Exception, what: str, doing: str) -> bool:
         frame = traceback.extract_tb(e.__traceback__)[-1]
         print(f"✗ {what}, {doing} {type(e).__name__}: {e} (line {frame.lineno}: {frame.line})")
     return False
+
+
+class TorchCalls(torch.overrides.TorchFunctionMode):
+    """Records the names of the torch functions and tensor methods a call runs (`with TorchCalls() as calls:`)."""
+
+    def __init__(self):
+        super().__init__()
+        self.names: set[str] = set()
+
+    def __torch_function__(self, func, types, args=(), kwargs=None):
+        self.names.add(getattr(func, "__name__", str(func)))
+        return func(*args, **(kwargs or {}))

@@ -1,4 +1,4 @@
-"""Notebook 08: how a long prompt is cut into chunks, and the attention mask of one chunk."""
+"""Notebook 08: how the budget cuts waiting prompts into chunks, step by step, and the attention mask of one chunk."""
 from __future__ import annotations
 
 import torch
@@ -7,21 +7,53 @@ import torch.nn.functional as F
 from .check import Case, run_checks
 
 
-def check_chunk_sizes(fn) -> bool:
-    """fn(prompt_len, budget, num_decodes) -> prompt tokens computed in each step until the prompt is done,
-    when num_decodes running requests take one token of the budget each, first."""
+def engine_chunk_plan(prompt_lens: list[int], budget: int, num_decodes: int) -> list[dict[int, int]]:
+    """The engine's own scheduler, replayed without a model (course/simulate.py): `num_decodes` requests
+    decoding from the first step, then these prompts, all waiting at once, with long answers. Each step:
+    {prompt index: prompt tokens computed}, until every prompt is done."""
+    from ..simulate import simulate
+
+    d = num_decodes
+    steps = simulate([1] * d + list(prompt_lens), [10_000] * (d + len(prompt_lens)),
+                     max_num_batched_tokens=budget, max_num_seqs=d + len(prompt_lens),
+                     max_steps=sum(prompt_lens) + 2)
+    left, plan = list(prompt_lens), []
+    for step in steps:                    # in the first step the decoders compute their one-token prompts
+        chunk = {}
+        for rid, n in step.tokens.items():
+            i = int(rid) - d
+            if i >= 0 and left[i]:
+                chunk[i] = min(n, left[i])
+                left[i] -= chunk[i]
+        plan.append(chunk)
+        if not any(left):
+            return plan
+    raise RuntimeError("the prompts did not finish")
+
+
+def check_chunk_plan(fn) -> bool:
+    """fn(prompt_lens, budget, num_decodes) -> one dict per step, {prompt index: prompt tokens computed},
+    until every prompt is done; checked against the engine's scheduler."""
     cases = []
-    for prompt_len, budget, decodes in [(2000, 256, 16), (2000, 64, 16), (100, 2048, 16), (512, 256, 0), (1, 8, 3)]:
-        def run(fn, p=prompt_len, b=budget, d=decodes):
-            room = b - d
-            want = [room] * (p // room) + ([p % room] if p % room else [])
-            got = list(fn(p, b, d))
-            if got != want:
-                return f"prompt {p}, budget {b}, {d} decodes: got {got[:6]}{'...' if len(got) > 6 else ''} " \
-                       f"({len(got)} steps), expected {want[:6]}{'...' if len(want) > 6 else ''} ({len(want)} steps)"
+    for name, lens, budget, decodes in [
+            ("one 2,000-token prompt among 16 decodes, budget 256", [2000], 256, 16),
+            ("four prompts of 100, budget 64", [100] * 4, 64, 0),
+            ("prompts of 300, 50 and 700 among 5 decodes, budget 64", [300, 50, 700], 64, 5),
+            ("16 prompts of 100, then one of 2,000, budget 48", [100] * 16 + [2000], 48, 0),
+            ("three prompts of 40 among 20 decodes, budget 24", [40, 40, 40], 24, 20)]:
+        def run(fn, lens=lens, b=budget, d=decodes):
+            want = engine_chunk_plan(lens, b, d)
+            got = [dict(step) for step in fn(list(lens), b, d)]
+            for k, (g, w) in enumerate(zip(got, want)):
+                if g != w:
+                    hint = ("; a prompt whose last chunk ran in an earlier step decodes now: one token of the budget"
+                            if sum(w.values()) < sum(g.values()) else "")
+                    return f"step {k}: got {g}, the engine's scheduler computes {w}{hint}"
+            if len(got) != len(want):
+                return f"{len(got)} steps, the engine's scheduler takes {len(want)}"
             return None
-        cases.append(Case(f"a {prompt_len}-token prompt, budget {budget}, {decodes} decodes", run))
-    return run_checks(fn, cases, "your chunking")
+        cases.append(Case(name, run))
+    return run_checks(fn, cases, "your chunk plan")
 
 
 def check_chunk_mask(fn) -> bool:

@@ -1,4 +1,4 @@
-"""Notebook 05: the online-softmax step for a tile of query rows, and merging the key slices of flash-decoding."""
+"""Notebook 05: the online-softmax step for a tile of query rows, and merging the partial results of flash-decoding's key slices."""
 from __future__ import annotations
 
 import torch
@@ -98,30 +98,80 @@ def tiled_with(step, block: int = 16):
     return attn
 
 
-def check_merge_splits(fn) -> bool:
-    """fn(outs (splits, D) normalized per slice, lses (splits,) natural log) -> (D,) over all keys."""
+def reference_merge_states(o1, lse1, o2, lse2):
+    """Two partial attention results over disjoint keys -> one over their union, itself mergeable.
+
+    o1, o2 (R, D) each normalized over its own keys;  lse1, lse2 (R,) natural log, -inf for no keys."""
+    m = torch.maximum(lse1, lse2)                                                 # (R,)
+    m_safe = torch.where(torch.isinf(m), torch.zeros_like(m), m)                  # a row with no key on either side
+    w1, w2 = torch.exp(lse1 - m_safe), torch.exp(lse2 - m_safe)                   # (R,) each side's share
+    total = w1 + w2
+    o = (w1[:, None] * o1 + w2[:, None] * o2) / total.clamp_min(torch.finfo(o1.dtype).tiny)[:, None]
+    return o, m_safe + torch.log(total)                                           # log 0 = -inf: still empty
+
+
+def check_merge_states(fn) -> bool:
+    """fn(o1, lse1, o2, lse2) -> (o, lse): merged results must merge again, in any order, to attention over
+    all the keys; rows whose keys all lie past the cache's end stay empty (o = 0, lse = -inf), never nan."""
+    def state(s, v, a, b):
+        """The slice [a, b) of every row's keys: (o (R, D), lse (R,))."""
+        if a >= b:
+            return torch.zeros(s.shape[0], v.shape[-1], dtype=s.dtype), torch.full((s.shape[0],), float("-inf"), dtype=s.dtype)
+        return torch.softmax(s[:, a:b], -1) @ v[a:b], torch.logsumexp(s[:, a:b], -1)
+
+    def slices(n_keys, splits):
+        bounds = torch.linspace(0, n_keys, splits + 1).long().tolist()
+        return list(zip(bounds, bounds[1:]))
+
+    def fold(fn, states):                           # left to right, as one program per row would
+        o, lse = states[0]
+        for o2, lse2 in states[1:]:
+            o, lse = fn(o, lse, o2, lse2)
+        return o, lse
+
+    def tree(fn, states):                           # pairwise, as a reduction over programs would
+        while len(states) > 1:
+            states = [fn(*states[i], *states[i + 1]) if i + 1 < len(states) else states[i]
+                      for i in range(0, len(states), 2)]
+        return states[0]
+
     cases = []
-    for n_keys, D, splits, spread, empty in [(64, 8, 4, 1.0, 0), (100, 4, 3, 40.0, 0), (40, 16, 5, 2.0, 2)]:
-        def run(fn, n_keys=n_keys, D=D, splits=splits, spread=spread, empty=empty):
-            g = torch.Generator().manual_seed(n_keys)
-            s = torch.randn(n_keys, generator=g, dtype=torch.float64) * spread
-            v = torch.randn(n_keys, D, generator=g, dtype=torch.float64)
-            bounds = torch.linspace(0, n_keys, splits - empty + 1).long().tolist()
-            outs, lses = [], []
-            for a, b in zip(bounds, bounds[1:]):
-                outs.append(torch.softmax(s[a:b], 0) @ v[a:b])
-                lses.append(torch.logsumexp(s[a:b], 0))
-            for _ in range(empty):                                   # slices past the end of a short cache
-                outs.append(torch.zeros(D, dtype=torch.float64))
-                lses.append(torch.tensor(float("-inf"), dtype=torch.float64))
-            got = fn(torch.stack(outs), torch.stack(lses))
-            want = torch.softmax(s, 0) @ v
-            if getattr(got, "shape", None) != want.shape:
-                return f"shape {tuple(getattr(got, 'shape', ()))}, expected {tuple(want.shape)}"
-            if not torch.isfinite(got).all():
-                return "nan or inf: weigh each slice by exp(lse - max lse), so an empty slice weighs 0"
-            err = (got - want).abs().max().item()
+    for name, n_keys, splits, spread, order in [
+            ("2 slices of 64 keys", 128, 2, 1.0, fold),
+            ("5 slices merged left to right, scores of size ~40", 100, 5, 40.0, fold),
+            ("8 slices merged as a tree, the merged lse merged again", 96, 8, 3.0, tree),
+            ("a short cache: the last 3 of 6 slices hold no keys", 30, 3, 2.0, fold)]:
+        def run(fn, n_keys=n_keys, splits=splits, spread=spread, order=order, name=name):
+            g = torch.Generator().manual_seed(n_keys + splits)
+            R, D = 4, 8
+            s = torch.randn(R, n_keys, generator=g, dtype=torch.float64) * spread   # (R, keys) scores
+            v = torch.randn(n_keys, 8, generator=g, dtype=torch.float64)             # (keys, D)
+            parts = [state(s, v, a, b) for a, b in slices(n_keys, splits)]
+            if "short cache" in name:
+                parts += [state(s, v, 0, 0)] * 3
+            got = order(fn, parts)
+            if not (isinstance(got, tuple) and len(got) == 2):
+                return "return two things: the merged output (R, D) and its lse (R,)"
+            o, lse = got
+            want_o, want_lse = torch.softmax(s, -1) @ v, torch.logsumexp(s, -1)
+            if getattr(o, "shape", None) != (R, D) or getattr(lse, "shape", None) != (R,):
+                return f"shapes {tuple(getattr(o, 'shape', ()))} and {tuple(getattr(lse, 'shape', ()))}, expected ({R}, {D}) and ({R},)"
+            if not (torch.isfinite(o).all() and torch.isfinite(lse).all()):
+                return "nan or inf: weigh each side by exp(lse - the larger lse), so an empty side weighs 0"
+            if (lse - want_lse).abs().max() > 1e-9:
+                return (f"the merged lse is off by up to {(lse - want_lse).abs().max().item():.2g}: "
+                        "it must be the log of the whole sum, so that the next merge can use it")
+            err = (o - want_o).abs().max().item()
             return None if err < 1e-10 else f"differs from attention over all keys by up to {err:.2g}"
-        cases.append(Case(f"{n_keys} keys in {splits} slices" + (f", {empty} of them empty" if empty else "")
-                          + (", scores of size ~40" if spread > 10 else ""), run))
+        cases.append(Case(name, run))
+
+    def both_empty(fn):
+        o, lse = state(torch.zeros(2, 0, dtype=torch.float64), torch.zeros(0, 8, dtype=torch.float64), 0, 0)
+        got_o, got_lse = fn(o, lse, o.clone(), lse.clone())
+        if torch.isnan(got_o).any() or torch.isnan(got_lse).any():
+            return "nan: two empty sides (lse = -inf on both) must merge to an empty state, not to 0/0"
+        if not (torch.equal(got_o, o) and torch.isneginf(got_lse).all()):
+            return "two empty sides must give o = 0 and lse = -inf"
+        return None
+    cases.append(Case("two empty slices (a row past both): still empty, no nan", both_empty))
     return run_checks(fn, cases, "your merge")

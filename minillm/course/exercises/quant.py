@@ -1,4 +1,4 @@
-"""Notebook 12: int8 with one scale per row, and reading the file's 4-bit (Q4_1) blocks."""
+"""Notebook 12: int8 with one scale per row, and reading the file's 4-bit (Q4_1) blocks from its bytes."""
 from __future__ import annotations
 
 import torch
@@ -40,25 +40,57 @@ def check_int8_rows(fn) -> bool:
     return run_checks(fn, cases, "your int8 quantization")
 
 
-def check_dequantize_q4_1(fn) -> bool:
-    """fn(packed (out, in/2) uint8, d (out, in/32), m (out, in/32)) -> (out, in) float32, as llama.cpp reads Q4_1."""
+def _raw_blocks(w4) -> torch.Tensor:
+    """A Q4Weight back to the file's bytes: (out, blocks, 20) uint8, each block d, m (float16) then 16 bytes."""
+    out, blocks = w4.scale.shape
+    d = w4.scale.contiguous().view(torch.uint8).view(out, blocks, 2)
+    m = w4.min.contiguous().view(torch.uint8).view(out, blocks, 2)
+    return torch.cat([d, m, w4.packed.view(out, blocks, 16)], dim=-1)
+
+
+def _q4_problem(got, want) -> str | None:
+    if not isinstance(got, torch.Tensor) or got.shape != want.shape:
+        return f"expected shape {tuple(want.shape)}, got {tuple(getattr(got, 'shape', ()))}"
+    if got.dtype != torch.float32:
+        return f"return float32 weights, got {got.dtype}"
+    if torch.equal(got, want):
+        return None
+    r, c = (got != want).nonzero()[0].tolist()
+    j = c % 32
+    if (got.view(-1, 32) != want.view(-1, 32)).all(-1).any():
+        hint = " (a whole block is off: are d and m the float16 numbers in its first 4 bytes, in that order?)"
+    elif j >= 16:
+        hint = " (weights 16..31 of a block are the high nibbles of its bytes 0..15)"
+    else:
+        hint = " (weight j of a block is the low nibble of its byte j)"
+    return f"weight {(r, c)}: got {float(got[r, c]):.6f}, expected {float(want[r, c]):.6f}{hint}"
+
+
+def check_read_q4_1(fn) -> bool:
+    """fn(raw (out, blocks, 20) uint8, the file's bytes) -> (out, blocks * 32) float32, as llama.cpp reads Q4_1;
+    then every Q4_1 tensor of the course model's file, bit for bit against the `gguf` package's reader."""
     g = torch.Generator().manual_seed(6)
     cases = []
     for out, n in [(1, 32), (4, 96), (16, 256)]:
         w4 = quantize_q4_1(torch.randn(out, n, generator=g))
+        cases.append(Case(f"{out} × {n} random weights ({out * n // 32} blocks)",
+                          lambda fn, w4=w4: _q4_problem(fn(_raw_blocks(w4).clone()), w4.dequantize())))
 
-        def run(fn, w4=w4):
-            want = w4.dequantize()
-            got = fn(w4.packed.clone(), w4.scale.clone(), w4.min.clone())
-            if not isinstance(got, torch.Tensor) or got.shape != want.shape:
-                return f"expected shape {tuple(want.shape)}, got {tuple(getattr(got, 'shape', ()))}"
-            if not torch.allclose(got.float(), want, atol=1e-6):
-                wrong = (got.float() - want).abs().gt(1e-6).nonzero()[0].tolist()
-                j = wrong[1] % 32
-                hint = (" (weights 16..31 of a block are the high nibbles of its bytes 0..15)" if j >= 16 else
-                        " (weight j of a block is the low nibble of its byte j)")
-                return f"weight {tuple(wrong)}: got {float(got[wrong[0], wrong[1]]):.5f}, " \
-                       f"expected {float(want[wrong[0], wrong[1]]):.5f}{hint}"
-            return None
-        cases.append(Case(f"{out} × {n} weights ({out * n // 32} blocks)", run))
+    def whole_file(fn):
+        import gguf
+        import numpy as np
+
+        from ...weights import find_model, gguf_reader
+        tensors = [t for t in gguf_reader(find_model().resolve()).tensors if t.tensor_type.name == "Q4_1"]
+        gguf_reader.cache_clear()                # the file's mapping goes with the last tensor read here
+        for t in tensors:
+            n_in, n_out = (int(x) for x in t.shape)
+            raw = torch.from_numpy(np.asarray(t.data, dtype=np.uint8).reshape(n_out, n_in // 32, 20).copy())
+            want = torch.from_numpy(np.asarray(gguf.quants.dequantize(t.data, t.tensor_type), dtype=np.float32)
+                                    .reshape(n_out, n_in))
+            if problem := _q4_problem(fn(raw), want):
+                return f"{t.name}: {problem}"
+        print(f"  all {len(tensors)} of the file's Q4_1 tensors read, bit for bit the weights the model runs with")
+        return None
+    cases.append(Case("every Q4_1 tensor of the course model's file", whole_file))
     return run_checks(fn, cases, "your Q4_1 reader")

@@ -3,7 +3,7 @@ from __future__ import annotations
 
 import torch
 
-from .check import Case, run_checks
+from .check import Case, TorchCalls, run_checks
 
 
 def interleaved_tables(hd: int, positions: torch.Tensor, base: float) -> tuple[torch.Tensor, torch.Tensor]:
@@ -26,18 +26,6 @@ def reference_rope_interleaved(x: torch.Tensor, cos: torch.Tensor, sin: torch.Te
 _FORBIDDEN = {"cat", "concat", "concatenate", "chunk", "stack", "split", "tensor_split", "unbind", "view_as_complex"}
 
 
-class _Calls(torch.overrides.TorchFunctionMode):
-    """Records the names of the torch functions and tensor methods a call runs."""
-
-    def __init__(self):
-        super().__init__()
-        self.names: set[str] = set()
-
-    def __torch_function__(self, func, types, args=(), kwargs=None):
-        self.names.add(getattr(func, "__name__", str(func)))
-        return func(*args, **(kwargs or {}))
-
-
 def check_rope_interleaved(fn) -> bool:
     """fn(x (B, heads, T, hd), cos, sin (T, hd) from interleaved_tables) -> x with each neighbouring pair
     (2i, 2i + 1) rotated, in x's dtype, without cat, chunk, stack or split."""
@@ -53,7 +41,7 @@ def check_rope_interleaved(fn) -> bool:
 
         def run(fn, x=x, cos=cos, sin=sin):
             want = reference_rope_interleaved(x, cos, sin)
-            calls = _Calls()
+            calls = TorchCalls()
             with calls:
                 got = fn(x.clone(), cos.clone(), sin.clone())
             if not isinstance(got, torch.Tensor) or got.shape != want.shape:
