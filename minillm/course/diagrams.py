@@ -11,20 +11,21 @@ def _box(ax, x, y, w, h, color, text="", fontsize=8, **kw):
         ax.text(x + w / 2, y + h / 2, text, ha="center", va="center", fontsize=fontsize)
 
 
-def draw_prefill_decode(ax, T: int = 6, d: int = 4, out: int = 5) -> None:
-    """Activations (T × d) times a weight (d × out): prefill multiplies a block of T rows, decode one row,
-    against the same weight, read once either way."""
+def draw_prefill_decode(ax, T: int = 4, d: int = 7, out: int = 9) -> None:
+    """Activations (T × d) times a weight (d × out), drawn to one scale (in the model d = 576 and out is
+    576 to 1,536, far more than a short prompt's T rows): prefill multiplies a block of T rows, decode one
+    row, against the same weight, read once either way."""
+    top = d                                            # every box hangs from the same top edge
     for x0, rows, title in ((0, T, f"prefill: T = {T} rows"), (2 * (d + out) + 7, 1, "decode: 1 row")):
-        top = T
-        _box(ax, x0, top - rows, d, rows, "tab:orange", "x" if rows == 1 else f"x\n({rows} × d)")
-        ax.text(x0 + d + 0.6, top - rows / 2, "×", fontsize=14, va="center")
-        _box(ax, x0 + d + 1.6, top - d, out, d, "lightgray", "W\n(d × out)")
+        _box(ax, x0, top - rows, d, rows, "tab:orange", f"x ({rows} × d)")
+        ax.text(x0 + d + 0.5, top - rows / 2, "×", fontsize=14, va="center")
+        _box(ax, x0 + d + 1.6, 0, out, d, "lightgray", "W\n(d × out)")
         ax.text(x0 + d + out + 2.2, top - rows / 2, "=", fontsize=14, va="center")
-        _box(ax, x0 + d + out + 3.2, top - rows, out, rows, "tab:blue", "" if rows == 1 else f"{rows} × out")
-        ax.text(x0 + (d + out * 2 + 3.2) / 2, top + 0.7, title, ha="center", fontsize=9)
-    ax.text(2 * (d + out) + 6, -0.9, "the same weight W is read from memory once per pass: prefill does T rows of arithmetic "
+        _box(ax, x0 + d + out + 3.2, top - rows, out, rows, "tab:blue", f"{rows} × out")
+        ax.text(x0 + (2 * d + 2 * out + 3.2) / 2, top + 0.7, title, ha="center", fontsize=9)
+    ax.text(2 * (d + out) + 6, -1.2, "the same weight W is read from memory once per pass: prefill does T rows of arithmetic "
             "with it, decode one", ha="center", fontsize=8)
-    ax.set(xlim=(-0.5, 4 * (d + out) + 13), ylim=(-1.5, T + 1.5))
+    ax.set(xlim=(-0.5, 4 * (d + out) + 13), ylim=(-2, top + 1.5))
     ax.set_axis_off()
 
 
@@ -54,11 +55,13 @@ def draw_budget_packing(ax, steps, budget: int, long_id: str, first_step: int = 
     list (.tokens: request id -> tokens computed); the bars are numbered from first_step."""
     colors = {"decode": "tab:blue", "long": "tab:orange", "prompt": "lightgray"}
     for i, step in enumerate(steps):
-        bottom = 0
-        kinds = [("long" if rid == long_id else "decode" if n == 1 else "prompt", n) for rid, n in step.tokens.items()]
-        for kind, n in sorted(kinds, key=lambda kn: ["decode", "prompt", "long"].index(kn[0])):
-            ax.bar(first_step + i, n, bottom=bottom, color=colors[kind], edgecolor="white", linewidth=0.2)
-            bottom += n
+        bottom, per_kind = 0, dict.fromkeys(colors, 0)
+        for rid, n in step.tokens.items():
+            per_kind["long" if rid == long_id else "decode" if n == 1 else "prompt"] += n
+        for kind in ("decode", "prompt", "long"):      # one segment per kind: 16 thin ones would read as a paler colour
+            if per_kind[kind]:
+                ax.bar(first_step + i, per_kind[kind], bottom=bottom, color=colors[kind])
+                bottom += per_kind[kind]
     ax.axhline(budget, color="black", ls=":", lw=1)
     ax.set(xlabel="step", ylabel="tokens computed in the step", ylim=(0, budget * 1.35))
     handles = [ax.bar(first_step, 0, color=c) for c in colors.values()]
@@ -80,7 +83,8 @@ def draw_request_timeline(ax, queue_s: float, token_s: list[float], title: str =
     if len(token_s) > 2:
         widest = max(range(1, len(token_s)), key=lambda i: token_s[i] - token_s[i - 1])   # the longest gap
         a, b = token_s[widest - 1], token_s[widest]
-        ax.annotate("", xy=(a, -0.45), xytext=(b, -0.45), arrowprops=dict(arrowstyle="<->", lw=0.8))
-        ax.text((a + b) / 2, -0.75, "its longest ITL gap", ha="center", fontsize=8)
+        ax.fill_betweenx([-0.25, 0.25], a, b, color="tab:red", alpha=0.6, lw=0)   # too narrow for an arrow
+        ax.annotate(f"its longest ITL gap: {(b - a) * 1e3:.0f} ms", xy=((a + b) / 2, -0.27), xytext=((a + b) / 2, -0.8),
+                    ha="center", fontsize=8, arrowprops=dict(arrowstyle="->", lw=0.8, color="tab:red"))
     ax.text(queue_s / 2, 0, "queued" if queue_s > 0.08 * last else "", ha="center", va="center", fontsize=7)
     ax.set(yticks=[], ylim=(-1, 1.6), xlabel="seconds since the request was sent", title=title)

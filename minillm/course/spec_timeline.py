@@ -103,10 +103,9 @@ def draw_passes(passes: list[Pass], tok, ax=None, first: int | None = None, coun
 
     def box(x, y, colour, text, strike=False):
         ax.add_patch(plt.Rectangle((x - x0, y), 0.96, 0.8, facecolor=colour, edgecolor="grey", lw=0.5))
-        ax.text(x - x0 + 0.48, y + 0.4, text, ha="center", va="center", fontsize=7,
-                color="dimgrey" if strike else "black")
-        if strike:
-            ax.plot([x - x0 + 0.1, x - x0 + 0.86], [y + 0.4, y + 0.4], color="darkred", lw=1)
+        ax.text(x - x0 + 0.48, y + 0.4, text, ha="center", va="center", fontsize=8, color="black")
+        if strike:      # a light line, so the token under it stays legible
+            ax.plot([x - x0 + 0.1, x - x0 + 0.86], [y + 0.4, y + 0.4], color="darkred", lw=0.8, alpha=0.45)
 
     ticks, labels = [], []
     for i, p in enumerate(shown):
