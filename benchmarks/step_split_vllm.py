@@ -67,7 +67,7 @@ def split(events: list[dict], tokens: int, wall_s: float | None = None) -> dict:
     by_thread: dict = {}
     for e in ops:
         by_thread.setdefault((e.get("pid"), e.get("tid")), []).append(e)
-    totals = {c: 0.0 for c, _ in CATEGORIES} | {"other ops": 0.0}
+    totals = {c: 0.0 for c, _ in CATEGORIES} | {"other ops": 0.0, "python in named regions": 0.0}
     busiest, top = None, {}
     for key, evs in by_thread.items():
         evs.sort(key=lambda e: (e["ts"], -e["dur"]))
@@ -87,8 +87,9 @@ def split(events: list[dict], tokens: int, wall_s: float | None = None) -> dict:
             busiest = (key, covered, evs[0]["ts"], max(x["ts"] + x["dur"] for x in evs))
     _, covered, start, end = busiest
     span_us = (wall_s * 1e6) if wall_s else (end - start)
+    named = totals.pop("python in named regions")
     per_tok = {k: v / 1e3 / tokens for k, v in totals.items()}                       # us -> ms per token
-    per_tok["python and waiting"] = max(span_us - covered, 0.0) / 1e3 / tokens
+    per_tok["python and waiting"] = (max(span_us - covered, 0.0) + named) / 1e3 / tokens   # gaps + Python in regions
     return {"ms_per_token": per_tok, "wall_ms_per_token": span_us / 1e3 / tokens, "output_tokens": tokens,
             "top_ops": sorted(((k, round(v / 1e3 / tokens, 4)) for k, v in top.items()), key=lambda kv: -kv[1])[:25]}
 
@@ -97,7 +98,8 @@ def _close(stack, totals, top):
     e, children = stack.pop()
     own = max(e["dur"] - children, 0.0)
     if e.get("cat") == "user_annotation" and not e["name"].startswith("minillm::"):
-        return     # a named region, not an operator: its own time is Python (minillm's C kernels are named so)
+        totals["python in named regions"] += own    # a named region, not an operator: its own time is Python
+        return                                      # (minillm's C kernels are named minillm::, and are operators)
     names = [e["name"], *(s[0]["name"] for s in stack)]
     cat = next((c for c, pat in CATEGORIES if any(pat.search(n) for n in names)), "other ops")
     totals[cat] += own

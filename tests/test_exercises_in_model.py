@@ -172,7 +172,7 @@ def test_a_triton_decode_kernel_is_checked_and_runs_every_decode_step(model, tok
     from minillm.course.exercises import check_decode_kernel, check_decode_kernel_in_model
 
     @triton.jit
-    def kernel(Q, K, V, O, S, scale, D: tl.constexpr, BLOCK_N: tl.constexpr):
+    def kernel(Q, K, V, O, S, scale, GROUP: tl.constexpr, D: tl.constexpr, BLOCK_N: tl.constexpr):
         pid = tl.program_id(0)
         offs_d = tl.arange(0, D)
         q = tl.load(Q + pid * D + offs_d)
@@ -181,7 +181,7 @@ def test_a_triton_decode_kernel_is_checked_and_runs_every_decode_step(model, tok
         acc = tl.zeros([D], tl.float32)
         for start in range(0, S, BLOCK_N):
             cols = start + tl.arange(0, BLOCK_N)
-            where = pid * S * D + cols[:, None] * D + offs_d[None, :]
+            where = (pid // GROUP) * S * D + cols[:, None] * D + offs_d[None, :]
             k = tl.load(K + where, mask=cols[:, None] < S, other=0.0)
             v = tl.load(V + where, mask=cols[:, None] < S, other=0.0)
             s = tl.where(cols < S, tl.sum(k * q[None, :], 1) * scale, float("-inf"))
@@ -194,7 +194,7 @@ def test_a_triton_decode_kernel_is_checked_and_runs_every_decode_step(model, tok
         tl.store(O + pid * D + offs_d, acc / l_i)
 
     @triton.jit
-    def no_rescale(Q, K, V, O, S, scale, D: tl.constexpr, BLOCK_N: tl.constexpr):   # each tile's own max
+    def no_rescale(Q, K, V, O, S, scale, GROUP: tl.constexpr, D: tl.constexpr, BLOCK_N: tl.constexpr):   # each tile's own max
         pid = tl.program_id(0)
         offs_d = tl.arange(0, D)
         q = tl.load(Q + pid * D + offs_d)
@@ -202,7 +202,7 @@ def test_a_triton_decode_kernel_is_checked_and_runs_every_decode_step(model, tok
         acc = tl.zeros([D], tl.float32)
         for start in range(0, S, BLOCK_N):
             cols = start + tl.arange(0, BLOCK_N)
-            where = pid * S * D + cols[:, None] * D + offs_d[None, :]
+            where = (pid // GROUP) * S * D + cols[:, None] * D + offs_d[None, :]
             k = tl.load(K + where, mask=cols[:, None] < S, other=0.0)
             v = tl.load(V + where, mask=cols[:, None] < S, other=0.0)
             s = tl.where(cols < S, tl.sum(k * q[None, :], 1) * scale, float("-inf"))
@@ -212,13 +212,13 @@ def test_a_triton_decode_kernel_is_checked_and_runs_every_decode_step(model, tok
         tl.store(O + pid * D + offs_d, acc / l_i)
 
     @triton.jit
-    def stub(Q, K, V, O, S, scale, D: tl.constexpr, BLOCK_N: tl.constexpr):
+    def stub(Q, K, V, O, S, scale, GROUP: tl.constexpr, D: tl.constexpr, BLOCK_N: tl.constexpr):
         raise NotImplementedError
 
     assert not check_decode_kernel(stub)
     assert "not written yet" in capsys.readouterr().out
     assert check_decode_kernel(kernel)
-    assert "4 of 4 checks pass" in capsys.readouterr().out
+    assert "5 of 5 checks pass" in capsys.readouterr().out
     assert not check_decode_kernel(no_rescale)
     assert "rescale the running sum" in capsys.readouterr().out
     prompt = tokenizer.encode("The capital of France is")

@@ -84,8 +84,7 @@ MEASURED = re.compile(
     r"|%)"                                                                 # a share
     r"|(?<![\w.,$])\d+\.\d+\s?(?:GiB|MiB|KiB|GB|MB|KB)\b")                 # a size as measured
 FACTS = {   # notebook -> phrases that hold on every machine, each with its reason
-    "01": ["less than 16×",          # the prediction of the cell before: 16 tokens for one read of the weights
-           "within 1.2×"],           # exercise 3's tolerance, a setting
+    "01": ["less than 16×"],         # the prediction of the cell before: 16 tokens for one read of the weights
     "03": ["99% of gaps"],           # what a p99 is
     "04": ["3× less cache",          # 9 query heads over 3 KV heads
            "cache 3× against MHA",

@@ -89,3 +89,18 @@ def test_run_times_calls_before_outside_the_timed_region():
     assert calls == ["fn", "before", "fn", "before", "fn", "before", "fn"]     # one warm-up call first
     assert max(times) < 0.1
     evict_caches(mib=4)                                                        # reads its buffer; returns nothing
+
+
+def test_a_trace_split_accounts_for_every_microsecond_of_the_stepping_thread():
+    """benchmarks/step_split_vllm.py: the parts of a split add up to the wall. Python that runs inside a named
+    region (vLLM's record_function spans) is Python, not lost between the operators and the gaps."""
+    from helpers.benchmark_script import load_benchmark
+
+    split = load_benchmark("step_split_vllm").split
+    events = [{"ph": "X", "cat": "user_annotation", "name": "execute_model", "ts": 0, "dur": 100, "pid": 1, "tid": 1},
+              {"ph": "X", "cat": "cpu_op", "name": "aten::mm", "ts": 10, "dur": 60, "pid": 1, "tid": 1},
+              {"ph": "X", "cat": "cpu_op", "name": "aten::add", "ts": 120, "dur": 30, "pid": 1, "tid": 1}]
+    parts = split(events, tokens=1)["ms_per_token"]              # a span of 150 us: 60 mm, 30 add, 60 Python
+    assert parts["matmul"] == 0.06 and parts["other ops"] == 0.03
+    assert abs(parts["python and waiting"] - 0.06) < 1e-12      # 40 us inside the region, 20 us between the ops
+    assert abs(sum(parts.values()) - 0.15) < 1e-12

@@ -81,15 +81,19 @@ def check_read_q4_1(fn) -> bool:
         import numpy as np
 
         from ...weights import find_model, gguf_reader
-        tensors = [t for t in gguf_reader(find_model().resolve()).tensors if t.tensor_type.name == "Q4_1"]
-        gguf_reader.cache_clear()                # the file's mapping goes with the last tensor read here
-        for t in tensors:
-            n_in, n_out = (int(x) for x in t.shape)
-            raw = torch.from_numpy(np.asarray(t.data, dtype=np.uint8).reshape(n_out, n_in // 32, 20).copy())
-            want = torch.from_numpy(np.asarray(gguf.quants.dequantize(t.data, t.tensor_type), dtype=np.float32)
-                                    .reshape(n_out, n_in))
-            if problem := _q4_problem(fn(raw), want):
-                return f"{t.name}: {problem}"
+        path = find_model().resolve()
+        tensors = [(t.name, t.tensor_type, [int(x) for x in t.shape], t.data_offset, t.n_bytes)
+                   for t in gguf_reader(path).tensors if t.tensor_type.name == "Q4_1"]
+        gguf_reader.cache_clear()                # only the offsets are kept: the bytes are read below, not mapped
+        with open(path, "rb") as f:
+            for name, kind, (n_in, n_out), offset, n_bytes in tensors:
+                f.seek(offset)
+                data = np.frombuffer(f.read(n_bytes), dtype=np.uint8)                # the tensor's bytes, as stored
+                raw = torch.from_numpy(data.reshape(n_out, n_in // 32, 20).copy())
+                want = torch.from_numpy(np.asarray(gguf.quants.dequantize(data, kind), dtype=np.float32)
+                                        .reshape(n_out, n_in))
+                if problem := _q4_problem(fn(raw), want):
+                    return f"{name}: {problem}"
         print(f"  all {len(tensors)} of the file's Q4_1 tensors read, bit for bit the weights the model runs with")
         return None
     cases.append(Case("every Q4_1 tensor of the course model's file", whole_file))

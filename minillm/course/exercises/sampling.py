@@ -63,3 +63,19 @@ def check_min_p(fn) -> bool:
     """fn(logits (B, V), min_p) -> logits with tokens below min_p x the best probability set to -inf."""
     ties = torch.tensor([[3.0, 3.0, 1.0, 0.5, 0.0, -1.0]])
     return run_checks(fn, _filter_cases(min_p_filter, "min_p", [0.0, 0.05, 0.1, 0.5], ties), "your min-p filter")
+
+
+def sampled_phrase_share(model, prompt_ids: list[int], phrase_ids: list[int], params, n: int = 4000,
+                         seed: int = 0) -> float:
+    """The share of n seeded continuations of prompt_ids that begin with phrase_ids (notebook 02's exercise 3
+    measures with it, after the learner's prediction). Each step is drawn n times, seeded, from the
+    distribution the engine's sampler draws from after the phrase's earlier tokens (`filtered_probs`, then
+    `torch.multinomial`, as `sample_next_token` does); a continuation counts while every step drew the phrase."""
+    from ...generate import NaiveRunner
+    from ...sampling import filtered_probs, make_generator
+
+    g, hits = make_generator(seed), torch.ones(n, dtype=torch.bool)
+    for k, want in enumerate(phrase_ids):
+        probs = filtered_probs(NaiveRunner(model).prefill(prompt_ids + phrase_ids[:k]), params)   # (vocab,)
+        hits &= torch.multinomial(probs, n, replacement=True, generator=g) == want                 # (n,) draws
+    return hits.float().mean().item()
