@@ -199,10 +199,6 @@ def _engine_answers():
             out.append(x)
         return out + [target[len(out)]]
 
-    def residual(p, q):
-        r = (p - q).clamp_min(0)
-        return r / r.sum()
-
     def parse_sse(lines):
         text = ""
         for line in lines:
@@ -265,7 +261,7 @@ def _engine_answers():
     return {"check_qkv_shard": qkv_shard, "check_transfer_bytes": transfer, "check_decode_steps": decode_steps, "check_pack": pack, "check_chunk_plan": chunk_plan,
             "check_chunk_mask": lambda start, n: torch.ones(n, start + n, dtype=torch.bool).tril(diagonal=start),
             "check_chain": chain, "check_cached_tokens": cached_tokens, "check_verify_greedy": verify,
-            "check_residual": residual, "check_parse_sse": parse_sse, "check_percentile": pct,
+            "check_parse_sse": parse_sse, "check_percentile": pct,
             "check_int8_rows": int8_rows, "check_read_q4_1": q4_1,
             "check_rope_interleaved": rope_interleaved, "check_lookup_speedup": lookup_speedup, "check_step_split": step_split}
 
@@ -294,7 +290,7 @@ def test_every_exercise_passes_its_answer_and_fails_a_stub(capsys):
 
 
 def test_engine_exercises_say_what_is_wrong(capsys):
-    from minillm.course.exercises import check_cached_tokens, check_read_q4_1, check_residual
+    from minillm.course.exercises import check_cached_tokens, check_read_q4_1
 
     def all_full_blocks(addresses, cached, n, bs):           # forgets that the last token must be computed
         hits = next((i for i, a in enumerate(addresses) if a not in cached), len(addresses))
@@ -318,8 +314,6 @@ def test_engine_exercises_say_what_is_wrong(capsys):
     assert not check_read_q4_1(scales_swapped)
     assert "first 4 bytes" in capsys.readouterr().out
 
-    assert not check_residual(lambda p, q: (p - q).clamp_min(0))
-    assert "normalize" in capsys.readouterr().out
 
 
 def test_distributed_exercises_say_what_is_wrong(capsys):

@@ -119,8 +119,7 @@ def draw(dist, generator):
 
 
 def test_the_notebooks_accept_answer_passes(capsys):
-    namespace = {"torch": torch, "check_accept_draft": check_accept_draft, "check_residual": lambda fn: True}
-    exec(answer_cell("10_speculative_decoding.ipynb", "check_residual"), namespace)     # its my_residual
+    namespace = {"torch": torch, "check_accept_draft": check_accept_draft}
     assert run_answer("10_speculative_decoding.ipynb", "check_accept_draft", namespace)
     assert "5 of 5 checks pass" in capsys.readouterr().out
 

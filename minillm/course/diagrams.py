@@ -64,10 +64,12 @@ def draw_budget_packing(ax, steps, budget: int, long_id: str, first_step: int = 
                 bottom += per_kind[kind]
     ax.axhline(budget, color="black", ls=":", lw=1)
     ax.set(xlabel="step", ylabel="tokens computed in the step", ylim=(0, budget * 1.35))
-    handles = [ax.bar(first_step, 0, color=c) for c in colors.values()]
+    names = {"decode": "decodes: one token each", "long": "a chunk of the long prompt", "prompt": "other prompts"}
+    shown = [k for k in colors if any((rid == long_id) == (k == "long") and (n == 1) == (k == "decode")
+                                      for step in steps for rid, n in step.tokens.items())]   # kinds in this window
+    handles = [ax.bar(first_step, 0, color=colors[k]) for k in shown]
     ax.legend(handles=handles + [ax.axhline(budget, color="black", ls=":", lw=1)],
-              labels=["decodes: one token each", "a chunk of the long prompt", "other prompts", "the budget"],
-              fontsize=8, loc="upper center", ncol=4)
+              labels=[names[k] for k in shown] + ["the budget"], fontsize=8, loc="upper center", ncol=4)
 
 
 def draw_request_timeline(ax, queue_s: float, token_s: list[float], title: str = "") -> None:

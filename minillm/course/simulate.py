@@ -76,21 +76,23 @@ def simulate(prompt_lens: list[int], output_lens: list[int], arrival_steps: list
     return steps
 
 
-def decode_step_times(model, tokenizer, batch: int, context: int = 100, steps: int = 8) -> list[float]:
+def decode_step_times(model, tokenizer, batch: int, context: int = 100, steps: int = 8, warmup: int = 3) -> list[float]:
     """Seconds of each of `steps` engine steps in which `batch` requests (prompts of `context` tokens) each
-    decode one token."""
+    decode one token, after `warmup` such steps untimed (the first ones after a large prompt step run slower)."""
     block = 16
     engine = LLMEngine(model, tokenizer, block_size=block, max_num_seqs=max(batch, 1), verbose=False,
-                       num_blocks=batch * -(-(context + steps + 4) // block),   # room for all of them at once,
+                       num_blocks=batch * -(-(context + warmup + steps + 4) // block),   # room for all at once,
                        max_num_batched_tokens=max(512, batch * context))      # and their prompts in one step
     for i in range(batch):
-        engine.add_request(i, [1000 + i] * context, SamplingParams(max_tokens=steps + 4, ignore_eos=True))
+        engine.add_request(i, [1000 + i] * context, SamplingParams(max_tokens=warmup + steps + 4, ignore_eos=True))
     for _ in range(batch * context + 1):                    # until every prompt is done
         engine.step()
         if engine.stats()["tokens_last_step"] == batch:
             break
     else:
         raise RuntimeError(f"{batch} requests never decoded in one step")
+    for _ in range(warmup):
+        engine.step()
     times = []
     for _ in range(steps):
         t0 = time.perf_counter()

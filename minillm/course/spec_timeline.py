@@ -19,7 +19,7 @@ from ..generate import generate
 from ..speculative.proposers import Proposer, make_proposer
 
 COLOURS = {"accepted": "#a1d99b", "rejected": "#fc9272", "unjudged": "#eeeeee",
-           "correction": "#fdae6b", "bonus": "#6baed6"}
+           "correction": "#fdae6b", "bonus": "#6baed6", "plain": "#bcbddc"}
 
 
 @dataclass(slots=True)
@@ -117,7 +117,7 @@ def draw_passes(passes: list[Pass], tok, ax=None, first: int | None = None, coun
             state = "accepted" if j < p.accepted else "rejected" if j == p.accepted else "unjudged"
             box(p.start + j, top, COLOURS[state], _label(tok, d), strike=state != "accepted")
         for j, t in enumerate(p.emitted):
-            own = "correction" if p.rejected else "bonus"
+            own = "plain" if not p.drafts else "correction" if p.rejected else "bonus"
             box(p.start + j, bottom, COLOURS["accepted" if j < p.accepted else own], _label(tok, t))
         end = p.start + max(len(p.drafts), len(p.emitted))
         ax.text(end - x0 + 0.3, bottom + 0.4, f"+{len(p.emitted)} token{'s' * (len(p.emitted) > 1)}",
@@ -134,6 +134,7 @@ def draw_passes(passes: list[Pass], tok, ax=None, first: int | None = None, coun
         ax.spines[side].set_visible(False)
     ax.legend(handles=[plt.Rectangle((0, 0), 1, 1, facecolor=COLOURS[c], edgecolor="grey") for c in COLOURS],
               labels=["draft accepted", "draft rejected", "drafted after a rejection: never judged",
-                      "the target's correction", "the target's next token after all drafts (bonus)"],
+                      "the target's correction", "the target's next token after all drafts (bonus)",
+                      "nothing drafted: a plain decode step's token"],
               loc="upper center", bbox_to_anchor=(0.5, -0.12), ncol=3, fontsize=8, frameon=False)
     return ax

@@ -17,7 +17,7 @@ and returns True when everything passes. It never raises, so a notebook runs on 
                  check_schedule_in_engine                                (in_model.py)
     notebook 08  check_chunk_plan, check_chunk_mask                     (chunked.py)
     notebook 09  check_chain, check_cached_tokens, check_lru             (prefix.py)
-    notebook 10  check_verify_greedy, check_residual, check_accept_draft,
+    notebook 10  check_verify_greedy, check_accept_draft,
                  check_lookup_speedup                                    (speculative.py)
                  check_verify_in_engine                                  (in_model.py)
     notebook 11  check_parse_sse, check_percentile                       (serving.py)
@@ -45,7 +45,7 @@ from .prefix import check_cached_tokens, check_chain, check_lru
 from .quant import check_read_q4_1, check_int8_rows
 from .sampling import check_min_p, check_top_p
 from .serving import check_parse_sse, check_percentile
-from .speculative import check_accept_draft, check_lookup_speedup, check_residual, check_verify_greedy
+from .speculative import check_accept_draft, check_lookup_speedup, check_verify_greedy
 from .step import check_rope_interleaved, check_step_split
 from .triton_decode import check_decode_kernel, check_decode_kernel_in_model
 
@@ -54,7 +54,7 @@ __all__ = [
     "check_chain", "check_chunk_mask", "check_chunk_plan", "check_decode_kernel", "check_decode_kernel_in_model", "check_decode_steps", "check_read_q4_1",
     "check_gqa_decode", "check_int8_rows", "check_lookup_speedup", "check_kv_append", "check_kv_append_in_model", "check_kv_bytes", "check_lru", "check_merge_states",
     "check_min_p", "check_online_softmax", "check_online_tile_in_model", "check_pack", "check_parse_sse", "check_percentile", "check_prediction",
-    "check_qkv_shard", "check_residual", "check_ridge_batch", "check_ring_all_reduce",
+    "check_qkv_shard", "check_ridge_batch", "check_ring_all_reduce",
     "check_rms_norm", "check_rope_interleaved", "check_schedule", "check_schedule_in_engine", "check_slot_lookup", "check_step_split", "check_top_p",
     "check_transfer_bytes", "check_verify_greedy", "check_verify_in_engine", "run_checks",
 ]

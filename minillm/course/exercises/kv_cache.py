@@ -37,9 +37,10 @@ def _append_case(B, n_kv, max_len, hd, steps, seed):
                 return f"after writing {start} tokens: k_all has shape {tuple(k_all.shape)}, expected {tuple(want_k.shape)}"
             if not (torch.equal(k_all, want_k) and torch.equal(v_all, want_v)):
                 return f"after writing {start} tokens: the returned K/V are not the tokens written, in order"
-            if not torch.equal(k_cache[:, :, :start], want_k):
-                return "the cache tensor itself must hold the new keys: write into k_cache, don't build a new tensor"
-            if k_all.data_ptr() != k_cache.data_ptr():
+            if not (torch.equal(k_cache[:, :, :start], want_k) and torch.equal(v_cache[:, :, :start], want_v)):
+                return "the cache tensors themselves must hold the new keys and values: write into k_cache and " \
+                       "v_cache, don't build new tensors"
+            if k_all.data_ptr() != k_cache.data_ptr() or v_all.data_ptr() != v_cache.data_ptr():
                 return "return a view of the cache (slicing), not a copy: copying the past each step is what the cache avoids"
         if k_cache[:, :, start:].abs().sum() != 0:
             return "slots after the last token were written"

@@ -16,6 +16,8 @@ def check_chain(fn) -> bool:
         ids = [rng.randrange(49152) for _ in range(n)]
 
         def run(fn, ids=ids, bs=bs):
+            if fn is chain_hashes:
+                return "that is minillm's own chain_hashes, the answer the check compares with: write it with hash_block"
             want = chain_hashes(ids, bs)
             got = list(fn(list(ids), bs))
             if len(got) != len(want):

@@ -39,33 +39,6 @@ def check_verify_greedy(fn) -> bool:
     return run_checks(fn, out, "your verification")
 
 
-def check_residual(fn) -> bool:
-    """fn(p, q) -> normalize(max(0, p - q)): what a token is drawn from when a draft is rejected."""
-    g = torch.Generator().manual_seed(2)
-    cases = []
-    examples = {"the notebook's p and q": (torch.tensor([0.10, 0.50, 0.30, 0.10]), torch.tensor([0.40, 0.40, 0.00, 0.20])),
-                "a one-hot draft (an n-gram proposer): p without the guess": (torch.tensor([0.2, 0.5, 0.3]), torch.tensor([0.0, 1.0, 0.0]))}
-    for i in range(3):
-        p, q = (torch.rand(50, generator=g) ** 4 for _ in range(2))
-        examples[f"random distributions over 50 tokens ({i + 1})"] = (p / p.sum(), q / q.sum())
-    for name, (p, q) in examples.items():
-        def run(fn, p=p, q=q):
-            want = (p - q).clamp_min(0)
-            want = want / want.sum()
-            got = fn(p.clone(), q.clone())
-            if not isinstance(got, torch.Tensor) or got.shape != p.shape:
-                return f"expected a tensor of shape {tuple(p.shape)}"
-            if abs(float(got.sum()) - 1) > 1e-5:
-                return f"it sums to {float(got.sum()):.4f}; a distribution sums to 1 (normalize)"
-            if (got < 0).any():
-                return "it has negative entries: clamp p - q at 0 first"
-            if not torch.allclose(got, want, atol=1e-6):
-                return f"got {[round(x, 3) for x in got[:6].tolist()]}, expected {[round(x, 3) for x in want[:6].tolist()]}"
-            return None
-        cases.append(Case(name, run))
-    return run_checks(fn, cases, "your residual")
-
-
 def _accepts(p, q, x, u) -> bool:
     """The rule of speculative/verify.py: accept x when u · q(x) < p(x), probability min(1, p(x) / q(x))."""
     return float(p[x]) >= float(q[x]) or u * float(q[x]) < float(p[x])
