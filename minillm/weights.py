@@ -82,6 +82,14 @@ def gguf_reader(path: Path):
     return gguf.GGUFReader(path)
 
 
+@lru_cache(maxsize=4)
+def tensor_index(path: Path) -> tuple:
+    """(name, type, shape in GGML order, offset in the file, bytes) of every tensor of a GGUF file: a small
+    table that outlives the reader, so the file's bytes can be read again without parsing it again."""
+    return tuple((t.name, t.tensor_type, tuple(int(x) for x in t.shape), int(t.data_offset), int(t.n_bytes))
+                 for t in gguf_reader(path).tensors)
+
+
 def gguf_metadata(reader) -> dict:
     """All key/value fields of a GGUF file as Python values."""
     return {name: field.contents() for name, field in reader.fields.items() if not name.startswith("GGUF.")}
@@ -121,6 +129,7 @@ def load_gguf(path: Path, dtype: torch.dtype = torch.float32) -> tuple[ModelConf
     import gguf
 
     reader = gguf_reader(Path(path).resolve())
+    tensor_index(Path(path).resolve())         # kept: the course reads tensors' bytes again later without a reader
     meta = gguf_metadata(reader)
     arch = meta.get("general.architecture")
     if arch not in GGUF_ARCHITECTURES:

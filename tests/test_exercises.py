@@ -115,7 +115,8 @@ def _answers():
         m = torch.maximum(lse1, lse2)
         m = torch.where(torch.isinf(m), torch.zeros_like(m), m)
         w1, w2 = torch.exp(lse1 - m), torch.exp(lse2 - m)
-        return (w1[:, None] * o1 + w2[:, None] * o2) / (w1 + w2).clamp_min(1e-300)[:, None], m + torch.log(w1 + w2)
+        total = w1 + w2
+        return (w1[:, None] * o1 + w2[:, None] * o2) / torch.where(total > 0, total, 1.0)[:, None], m + torch.log(total)
 
     def gqa_decode(q, k, v):
         B, H, _, hd = q.shape

@@ -89,7 +89,8 @@ def replay_concurrency(trace: list[dict], budget_tokens: int, policy: str, block
     "paged" (admit when the prompt's blocks fit, grow block by block; when a sequence cannot grow, the
     most recently admitted one is preempted: its blocks are freed and it starts over later).
     Returns {"steps", "mean_running", "max_running", "preemptions", "regenerated_tokens" (answer tokens a
-    preemption threw away, generated again one step at a time), "answer_tokens" (the trace's, once each)}."""
+    preemption threw away, generated again one step at a time), "recomputed_prompt_tokens" (the prompts of
+    preempted requests, computed again at their readmission), "answer_tokens" (the trace's, once each)}."""
     from collections import deque
 
     waiting = deque(range(len(trace)))
@@ -97,7 +98,7 @@ def replay_concurrency(trace: list[dict], budget_tokens: int, policy: str, block
     done = {}                                    # request -> tokens generated so far
     free = budget_tokens
     pool = BlockPool(None, num_blocks=budget_tokens // block_size, block_size=block_size) if policy == "paged" else None
-    steps = total_running = max_running = preemptions = regenerated = 0
+    steps = total_running = max_running = preemptions = regenerated = reprefilled = 0
     while waiting or running:
         while waiting:                           # admit in order while the head fits
             i = waiting[0]
@@ -129,6 +130,7 @@ def replay_concurrency(trace: list[dict], budget_tokens: int, policy: str, block
                     waiting.appendleft(victim)
                     preemptions += 1
                     regenerated += done[victim]          # its answer so far: generated again, step by step
+                    reprefilled += trace[victim]["prompt_tokens"]   # and its prompt computed again
                     if victim == i:
                         break
                 if i not in running:
@@ -142,5 +144,5 @@ def replay_concurrency(trace: list[dict], budget_tokens: int, policy: str, block
                 else:
                     free += reserved_slots(trace[i], policy, **kw)
     return {"steps": steps, "mean_running": total_running / steps, "max_running": max_running,
-            "preemptions": preemptions, "regenerated_tokens": regenerated,
+            "preemptions": preemptions, "regenerated_tokens": regenerated, "recomputed_prompt_tokens": reprefilled,
             "answer_tokens": sum(r["output_tokens"] for r in trace)}

@@ -106,7 +106,7 @@ def reference_merge_states(o1, lse1, o2, lse2):
     m_safe = torch.where(torch.isinf(m), torch.zeros_like(m), m)                  # a row with no key on either side
     w1, w2 = torch.exp(lse1 - m_safe), torch.exp(lse2 - m_safe)                   # (R,) each side's share
     total = w1 + w2
-    o = (w1[:, None] * o1 + w2[:, None] * o2) / total.clamp_min(torch.finfo(o1.dtype).tiny)[:, None]
+    o = (w1[:, None] * o1 + w2[:, None] * o2) / torch.where(total > 0, total, 1.0)[:, None]   # 0 where empty
     return o, m_safe + torch.log(total)                                           # log 0 = -inf: still empty
 
 
@@ -166,12 +166,13 @@ def check_merge_states(fn) -> bool:
         cases.append(Case(name, run))
 
     def both_empty(fn):
-        o, lse = state(torch.zeros(2, 0, dtype=torch.float64), torch.zeros(0, 8, dtype=torch.float64), 0, 0)
-        got_o, got_lse = fn(o, lse, o.clone(), lse.clone())
-        if torch.isnan(got_o).any() or torch.isnan(got_lse).any():
-            return "nan: two empty sides (lse = -inf on both) must merge to an empty state, not to 0/0"
-        if not (torch.equal(got_o, o) and torch.isneginf(got_lse).all()):
-            return "two empty sides must give o = 0 and lse = -inf"
+        for dtype in (torch.float64, torch.float32):      # float32: the kernels' scratch, and vLLM's merge_state
+            o, lse = state(torch.zeros(2, 0, dtype=dtype), torch.zeros(0, 8, dtype=dtype), 0, 0)
+            got_o, got_lse = fn(o, lse, o.clone(), lse.clone())
+            if torch.isnan(got_o).any() or torch.isnan(got_lse).any():
+                return f"nan in {dtype}: two empty sides (lse = -inf on both) must merge to an empty state, not to 0/0"
+            if not (torch.equal(got_o, o) and torch.isneginf(got_lse).all()):
+                return "two empty sides must give o = 0 and lse = -inf"
         return None
-    cases.append(Case("two empty slices (a row past both): still empty, no nan", both_empty))
+    cases.append(Case("two empty slices (a row past both), in float64 and float32: still empty, no nan", both_empty))
     return run_checks(fn, cases, "your merge")

@@ -80,11 +80,9 @@ def check_read_q4_1(fn) -> bool:
         import gguf
         import numpy as np
 
-        from ...weights import find_model, gguf_reader
+        from ...weights import find_model, tensor_index
         path = find_model().resolve()
-        tensors = [(t.name, t.tensor_type, [int(x) for x in t.shape], t.data_offset, t.n_bytes)
-                   for t in gguf_reader(path).tensors if t.tensor_type.name == "Q4_1"]
-        gguf_reader.cache_clear()                # only the offsets are kept: the bytes are read below, not mapped
+        tensors = [t for t in tensor_index(path) if t[1].name == "Q4_1"]   # the bytes are read below, not mapped
         with open(path, "rb") as f:
             for name, kind, (n_in, n_out), offset, n_bytes in tensors:
                 f.seek(offset)
