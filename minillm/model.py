@@ -90,7 +90,7 @@ def apply_rope(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.T
     """Rotate-half RoPE. x: (B, heads, T, hd); cos, sin from rope_tables: (T, hd) or (B, 1, T, hd).
 
     Pair (x_i, x_{i+hd/2}) turns by angle a: (x_i cos a - x_{i+hd/2} sin a, x_{i+hd/2} cos a + x_i sin a).
-    roll swaps the halves, [x2, x1], and sin's first half carries the minus sign: three operators
+    roll swaps the halves, [x2, x1], and sin's first half carries the minus sign: four operators
     per call and no concatenation, with the same values bit for bit as cat([-x2, x1]) * sin.
     """
     out = x * cos + x.roll(x.shape[-1] // 2, dims=-1) * sin   # (B, heads, T, hd)

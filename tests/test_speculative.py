@@ -71,6 +71,7 @@ def test_eos_inside_a_draft_and_as_the_bonus(model, tokenizer, refs):
         g = generate(model, tokenizer, ids, SamplingParams(max_tokens=40), stage="kv",
                      adaptive_speculation=False, speculative=Oracle(len(ids), cont), num_speculative_tokens=k)
         assert (g.token_ids, g.text, g.finish_reason) == (ref.token_ids, ref.text, "stop")
+        assert g.spec_accepted_tokens <= len(g.token_ids)      # drafts accepted past the end are not counted
     # drafts that end just before EOS, all accepted: EOS comes as the bonus token
     g = generate(model, tokenizer, ids, SamplingParams(max_tokens=40), stage="kv",
                  adaptive_speculation=False, speculative=Oracle(len(ids), ref.token_ids), num_speculative_tokens=n - 1)

@@ -50,19 +50,27 @@ def speculative_decode(model, prompt_ids: list[int], params: SamplingParams, sta
         m0 = time.perf_counter()
         ctl = AdaptiveK(k, pass_cost or measure_pass_costs(runner, k + 1), proposer.relative_cost(model))
         t0 += time.perf_counter() - m0           # a calibration, once per model and context size: not a token's time
+    pending = None                               # the last pass's (drafts, drafts accepted), counted once emitted
     while True:
         now = time.perf_counter()
         if not out.token_times_s:
             out.ttft_s = now - t0
         out.token_times_s += [now - t0] + [0.0] * (len(new) - 1)   # a round's tokens arrive together
         t0 = now
+        used = 0
         for token in new:
+            used += 1
             history.append(token)
             detok.push(token)
             if chunk := detok.take():
                 yield chunk
             if detok.done:
                 break
+        if pending is not None:                  # drafts accepted past the answer's end were never emitted
+            out.spec_drafts += 1
+            out.spec_draft_tokens += pending[0]
+            out.spec_accepted_tokens += min(pending[1], used)
+            pending = None
         if detok.done:
             break
         start = runner.length                                       # == len(history) - 1
@@ -78,7 +86,5 @@ def speculative_decode(model, prompt_ids: list[int], params: SamplingParams, sta
         if drafts:
             if ctl is not None:
                 ctl.update(len(drafts), len(new) - 1)
-            out.spec_drafts += 1
-            out.spec_draft_tokens += len(drafts)
-            out.spec_accepted_tokens += len(new) - 1
+            pending = (len(drafts), len(new) - 1)
     out.text, out.finish_reason = detok.text, detok.finish_reason
