@@ -81,6 +81,12 @@ def test_a_gqa_decode_that_copies_or_tiles_the_heads_is_named(capsys):
     assert not check_gqa_decode(tiled)
     assert "h // group" in capsys.readouterr().out
 
+    from minillm.attention import gqa_attention
+    assert not check_gqa_decode(gqa_attention)                  # the notebook's own answer, called
+    assert "a finished attention" in capsys.readouterr().out
+    assert not check_gqa_decode(lambda q, k, v: torch.nn.functional.scaled_dot_product_attention(q, k, v, enable_gqa=True))
+    assert "a finished attention" in capsys.readouterr().out
+
 
 def test_the_sampling_explorer_redraws_when_a_slider_moves(model, tokenizer):
     from minillm.course.widgets import SamplingExplorer, describe
